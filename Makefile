@@ -1,0 +1,31 @@
+# transformer-mt: `make demo` and `make test` each work on a fresh clone.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch goes in first, pinned, so that no dependency resolves a newer CUDA build on a
+# CPU machine. Elsewhere: make install TORCH_SPEC=torch TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC     ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(VENV)/bin/tmt demo
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) scripts/bench.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,105 @@
+"""Self-describing checkpoints: written atomically, loaded with `weights_only=True`.
+
+A checkpoint is a dict with `model` (state dict of the uncompiled module), `optimizer`,
+`scheduler`, `step`, `config` (the resolved config as plain data), `tokenizer` (hash of the
+SentencePiece models beside it), `version`, and `train_state` (the loop's resumable state).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from . import __version__
+from .config import Config, config_from_dict
+from .errors import UserError
+from .fileio import atomic_write
+from .model import Transformer, build_model
+from .tokenizer import Tokenizer
+
+REQUIRED_KEYS = ("model", "config", "step")
+
+
+class CheckpointError(UserError):
+    """A checkpoint path that does not exist, is not a checkpoint, or does not match its tokenizer."""
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """torch.save into a temporary file beside `path`, fsync, then rename over it."""
+    buf = io.BytesIO()
+    torch.save({**state, "version": __version__}, buf)
+    atomic_write(path, buf.getbuffer())
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load with weights_only=True: a crafted pickle cannot run code, it is refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is not a loadable transformer-mt checkpoint "
+                              f"(refused by torch.load(weights_only=True): {first[:200]})") from None
+    if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED_KEYS):
+        raise CheckpointError(f"{path} is not a transformer-mt checkpoint (it lacks {', '.join(REQUIRED_KEYS)})")
+    return ckpt
+
+
+def resolve_checkpoint(path: Optional[str | os.PathLike], runs_dir: str | os.PathLike = "runs") -> Path:
+    """A checkpoint file, a run directory (its best, else last, checkpoint), or — when None —
+    the best checkpoint of the most recently trained run under ./runs/."""
+    if path is None:
+        runs = [p for p in Path(runs_dir).glob("*/checkpoints/last.pt")] if Path(runs_dir).is_dir() else []
+        if not runs:
+            raise CheckpointError(f"no trained run found under {Path(runs_dir).resolve()}: train one with "
+                                  "`tmt train CONFIG`, or pass --checkpoint RUN_DIR_OR_FILE")
+        newest = max(runs, key=lambda p: p.stat().st_mtime).parent.parent
+        found = resolve_checkpoint(newest)
+        print(f"tmt: using checkpoint {found}", file=sys.stderr)
+        return found
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        for candidate in (path / "checkpoints" / "best.pt", path / "checkpoints" / "last.pt",
+                          path / "best.pt", path / "last.pt"):
+            if candidate.is_file():
+                return candidate
+        raise CheckpointError(f"{path} is a directory with no checkpoints/best.pt or checkpoints/last.pt")
+    raise CheckpointError(f"checkpoint not found: {path}")
+
+
+def run_dir_of(checkpoint_path: Path) -> Path:
+    """The run directory holding a checkpoint (…/RUN/checkpoints/x.pt -> …/RUN)."""
+    parent = checkpoint_path.resolve().parent
+    return parent.parent if parent.name == "checkpoints" else parent
+
+
+def load_for_inference(path: Path, device: torch.device | str = "cpu"
+                       ) -> tuple[Transformer, Tokenizer, Config, dict[str, Any]]:
+    """Model (eval mode, on `device`), its tokenizer and config, from a checkpoint file."""
+    ckpt = load_checkpoint(path)
+    cfg = config_from_dict(ckpt["config"], source=f"{path} (saved config)")
+    run_dir = run_dir_of(path)
+    try:
+        tokenizer = Tokenizer.load(run_dir)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{e}: the checkpoint needs the tokenizer of its run beside it") from None
+    if ckpt.get("tokenizer") not in (None, tokenizer.digest):
+        raise CheckpointError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, but the SentencePiece "
+                              f"model in {run_dir} is {tokenizer.digest}: they do not belong together")
+    model = build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not match the saved model config: "
+                              f"{str(e).splitlines()[0]}") from None
+    return model.to(device).eval(), tokenizer, cfg, ckpt

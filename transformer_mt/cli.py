@@ -1,0 +1,150 @@
+"""`tmt`: argparse front end. Parsing and printing only; each subcommand is one function call.
+
+Exit status: 0 success, 2 user error (message, no traceback), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Optional
+
+from tqdm import tqdm
+
+from .errors import UserError
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines that do not break a running progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(f"tmt: {record.levelname.lower() + ': ' if record.levelno >= logging.WARNING else ''}"
+                   f"{record.getMessage()}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tmt",
+        description="Train, run and score Transformer translation models (Vaswani et al., 2017).",
+        epilog="Run `tmt COMMAND --help` for the flags of each command.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print warnings and errors only")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="tokenize, train, validate and checkpoint a model from a YAML config",
+                       description="Train SentencePiece (if the run has none) and the model described by CONFIG. "
+                                   "Everything goes to the config's output_dir: config.yaml, spm*.model, "
+                                   "checkpoints/{last,best,step_N}.pt and TensorBoard events under tb/.")
+    p.add_argument("config", help="YAML config file (see configs/ and the README's config reference)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.max_steps=200 --set model.d_model=128 "
+                        "(repeatable; VALUE is parsed as YAML)")
+
+    def add_checkpoint(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--checkpoint", "-c", metavar="PATH",
+                       help="checkpoint file, or run directory (uses its best, else last, checkpoint); "
+                            "default: the best checkpoint of the most recently trained run under ./runs/")
+        p.add_argument("--beam", type=_positive_int, metavar="N",
+                       help="beam size; 1 = greedy search (default: the run's decode.beam)")
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                       help="where to run the model (default: auto = CUDA, then MPS, then CPU)")
+
+    p = sub.add_parser("translate", help="translate text with a trained model (stdin to stdout by default)",
+                       description="Translate one sentence per line. Output lines match input lines one to one "
+                                   "(an empty input line gives an empty output line); input is read and written "
+                                   "in chunks, so any length streams in bounded memory.")
+    add_checkpoint(p)
+    p.add_argument("--input", "-i", metavar="FILE", help="read source sentences from FILE (default: stdin)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write translations to FILE (default: stdout)")
+
+    p = sub.add_parser("evaluate", help="translate a test set and print sacreBLEU BLEU, chrF and TER",
+                       description="Translate the run's test split (from its saved config), or --src, and score "
+                                   "it against the references with sacreBLEU; hypotheses are written next to "
+                                   "the checkpoint.")
+    add_checkpoint(p)
+    p.add_argument("--src", metavar="FILE", help="source sentences (plain text or .gz); needs --ref")
+    p.add_argument("--ref", metavar="FILE", help="reference translations, line-aligned with --src")
+    p.add_argument("--output", "-o", metavar="FILE", help="where to write the hypotheses "
+                                                          "(default: next to the checkpoint)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (bleu, chrf, ter, signature, "
+                                                       "hypotheses_path, ...) instead of text")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .train import train
+
+    summary = train(load_config(args.config, args.overrides))
+    print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best validation "
+          f"{summary['best_score']:.2f} at step {summary['best_step']}; run directory {summary['run_dir']}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    from .checkpoint import load_for_inference, resolve_checkpoint
+    from .translate import Translator, pick_device
+
+    model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(args.checkpoint), pick_device(args.device))
+    translator = Translator(model, tokenizer, cfg.decode)
+    try:
+        src = open(args.input, encoding="utf-8", errors="replace") if args.input else sys.stdin
+    except OSError as e:
+        raise UserError(f"cannot read --input {args.input}: {e.strerror}") from None
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    with src, out:
+        for line in translator.translate_stream(src, beam=args.beam):
+            out.write(line + "\n")
+            out.flush()
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from .evaluate import evaluate
+
+    result = evaluate(args.checkpoint, src=args.src, ref=args.ref, beam=args.beam, device=args.device,
+                      output=args.output)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(result["bleu_detail"])
+        print(f"chrF2 = {result['chrf']:.2f}  {result['chrf_signature']}")
+        print(f"TER = {result['ter']:.2f}  {result['ter_signature']}")
+        print(f"{result['sentences']} sentences, beam {result['beam']}, {result['sentences_per_second']} sent/s; "
+              f"hypotheses in {result['hypotheses_path']}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "translate": cmd_translate, "evaluate": cmd_evaluate}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logger = logging.getLogger("transformer_mt")
+    if not logger.handlers:
+        logger.addHandler(_TqdmHandler())
+    logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as e:
+        print(f"tmt: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tmt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Configuration: one dataclass per YAML section, loaded strictly (no torch import here).
+
+Unknown keys, wrong types and out-of-range values fail at load time with the dotted key,
+the file and line where we know it, and the closest valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from .errors import UserError
+from .fileio import atomic_write
+
+
+class ConfigError(UserError):
+    """A user error in a config file or override: the message says what and where."""
+
+
+@dataclass
+class DataConfig:
+    """Where the parallel corpus comes from (section `data`)."""
+
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    # text: train/valid/test are path prefixes; files are PREFIX.LANG or PREFIX.LANG.gz.
+    # tsv / jsonl: train/valid/test are file paths read with `datasets`' csv/json loaders.
+    # hf: train/valid/test are split names of the hub dataset `dataset` (config `dataset_config`).
+    format: Literal["text", "tsv", "jsonl", "hf"] = "text"
+    train: Optional[str] = None
+    valid: Optional[str] = None
+    test: Optional[str] = None
+    dataset: Optional[str] = None
+    dataset_config: Optional[str] = None
+    # Field names for tsv/jsonl/hf rows; dots reach into nested records ("translation.en").
+    # Default: the language codes.
+    src_field: Optional[str] = None
+    tgt_field: Optional[str] = None
+    max_len: int = 256  # training pairs longer than this (in subword tokens) are dropped
+    cache_dir: Optional[str] = None  # tokenized-corpus cache; default: OUTPUT_DIR/cache
+
+    def __post_init__(self) -> None:
+        _check(self.max_len >= 1, "data.max_len", f"must be >= 1, got {self.max_len}")
+        if self.format == "hf":
+            _check(bool(self.dataset), "data.dataset", "is required when data.format is hf (e.g. bentrevett/multi30k)")
+        _check(self.src_lang != self.tgt_lang or self.src_field != self.tgt_field,
+               "data.tgt_lang", "source and target are the same field")
+
+    @property
+    def fields(self) -> tuple[str, str]:
+        return self.src_field or self.src_lang, self.tgt_field or self.tgt_lang
+
+
+@dataclass
+class TokenizerConfig:
+    """SentencePiece settings (section `tokenizer`)."""
+
+    type: Literal["unigram", "bpe"] = "unigram"
+    vocab_size: int = 8000
+    joint: bool = True  # one model and vocabulary for both languages
+    character_coverage: float = 1.0
+    max_sentences: int = 2_000_000  # SentencePiece trains on a random sample of at most this many lines
+
+    def __post_init__(self) -> None:
+        _check(self.vocab_size >= 16, "tokenizer.vocab_size", f"must be >= 16, got {self.vocab_size}")
+        _check(0.9 <= self.character_coverage <= 1.0, "tokenizer.character_coverage",
+               f"must be in [0.9, 1.0], got {self.character_coverage}")
+
+
+@dataclass
+class ModelConfig:
+    """Transformer sizes (section `model`); defaults are the paper's base model."""
+
+    d_model: int = 512
+    heads: int = 8
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    norm: Literal["post", "pre"] = "post"  # post: the paper's LayerNorm(x + Sublayer(x))
+    tie_embeddings: bool = True  # joint vocab: src, tgt and output share one matrix
+    max_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "heads", "encoder_layers", "decoder_layers", "d_ff", "max_positions"):
+            _check(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.d_model % self.heads == 0, "model.d_model",
+               f"({self.d_model}) must be divisible by model.heads ({self.heads})")
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            v = getattr(self, key)
+            _check(0.0 <= v < 1.0, f"model.{key}", f"must be in [0, 1), got {v}")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping (section `train`)."""
+
+    seed: int = 1
+    max_tokens: int = 4096  # per batch: n_sentences x longest (padded) side
+    accumulate: int = 1  # batches per optimizer step
+    max_steps: int = 100_000
+    max_epochs: int = 1000
+    lr_factor: float = 2.0  # Noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    warmup: int = 4000
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # 0 disables gradient clipping
+    log_every: int = 50
+    valid_every: int = 1000
+    valid_bleu: bool = True  # decode the whole validation set (greedy unless valid_beam > 1)
+    valid_beam: int = 1
+    keep_last: int = 3  # step_N.pt checkpoints kept besides last.pt and best.pt
+    patience: int = 0  # stop after this many validations without a new best; 0 = never
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+
+    def __post_init__(self) -> None:
+        for key in ("max_tokens", "accumulate", "max_steps", "max_epochs", "warmup", "log_every",
+                    "valid_every", "valid_beam"):
+            _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.lr_factor > 0, "train.lr_factor", f"must be > 0, got {self.lr_factor}")
+        _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing",
+               f"must be in [0, 1), got {self.label_smoothing}")
+        _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
+        _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")
+        _check(self.patience >= 0, "train.patience", f"must be >= 0, got {self.patience}")
+        _check(self.threads >= 0, "train.threads", f"must be >= 0, got {self.threads}")
+        _check(all(0.0 <= b < 1.0 for b in self.adam_betas), "train.adam_betas",
+               f"must be two numbers in [0, 1), got {list(self.adam_betas)}")
+
+
+@dataclass
+class DecodeConfig:
+    """Search settings for translate/evaluate (section `decode`)."""
+
+    beam: int = 4
+    alpha: float = 0.6  # GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability
+    max_len_a: float = 1.5  # output at most a * |src| + b tokens
+    max_len_b: int = 10
+    max_tokens: int = 8192  # source tokens x beam per decoding batch
+
+    def __post_init__(self) -> None:
+        _check(self.beam >= 1, "decode.beam", f"must be >= 1, got {self.beam}")
+        _check(self.alpha >= 0, "decode.alpha", f"must be >= 0, got {self.alpha}")
+        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
+               "need max_len_a >= 0 and max_len_b >= 1")
+        _check(self.max_tokens >= 1, "decode.max_tokens", f"must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class Config:
+    """The whole experiment: one YAML file."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    output_dir: str = "runs/default"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["train"]["adam_betas"] = list(self.train.adam_betas)
+        return d
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config error: {key} {message}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML file, apply `a.b=c` overrides, and build a checked Config."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config error: {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config error: {path}: cannot read ({e})") from None
+    try:
+        raw = yaml.safe_load(text)
+        lines = _key_lines(yaml.compose(text))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"config error: {where}: invalid YAML: {problem}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config error: {path}: the top level must be a mapping of sections")
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw, source=str(path), lines=lines)
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Set `a.b=c` in a nested dict; the value is parsed as YAML (so 128 is an int)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"config error: --set {item!r}: expected KEY=VALUE, e.g. train.max_steps=200")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config error: --set {key}: {part} is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def config_from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None) -> Config:
+    """Build a Config from plain data, checking keys and types section by section."""
+    lines = lines or {}
+    return _build(Config, raw, prefix="", source=source, lines=lines)
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str, lines: dict[str, int]) -> Any:
+    where = _where(source, lines, prefix)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config error: {where}{prefix.rstrip('.') or 'config'} must be a mapping, "
+                          f"got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f" (valid keys: {', '.join(names)})"
+            section = prefix.rstrip(".") or "the config"
+            raise ConfigError(f"config error: {_where(source, lines, dotted)}{dotted} is not a key of "
+                              f"{section}{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", source, lines)
+        else:
+            kwargs[key] = _coerce(value, tp, dotted, _where(source, lines, dotted))
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        # Point range errors at the line of the key they name, when we know it.
+        msg = str(e)
+        key = msg.removeprefix("config error: ").split(" ", 1)[0]
+        loc = _where(source, lines, key)
+        raise ConfigError(msg.replace("config error: ", f"config error: {loc}", 1)) from None
+
+
+def _where(source: str, lines: dict[str, int], dotted: str) -> str:
+    line = lines.get(dotted)
+    return f"{source}:{line}: " if line else ""
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Check `value` against a type hint; ints are accepted for floats, lists for tuples."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key, where)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"config error: {where}{key} must be one of {', '.join(map(str, args))}, "
+                              f"got {value!r}{hint}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"config error: {where}{key} must be a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(v, a, key, where) for v, a in zip(value, args))
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }[tp](value)
+    if not ok:
+        raise ConfigError(f"config error: {where}{key} must be {_type_name(tp)}, got {value!r} "
+                          f"({type(value).__name__})")
+    return float(value) if tp is float else value
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
+    """Map each dotted key of a composed YAML document to its 1-based line number."""
+    out: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            dotted = f"{prefix}{k.value}"
+            out[dotted] = k.start_mark.line + 1
+            out.update(_key_lines(v, dotted + "."))
+    return out
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (atomically), so a run directory describes itself."""
+    atomic_write(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode("utf-8"))

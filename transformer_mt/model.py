@@ -1,0 +1,303 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), written out.
+
+Batch-first tensors throughout. Masks are boolean with True = may attend, broadcastable to
+(B, H, T, S). Incremental decoding keeps a `KVCache` that the caller passes in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .tokenizer import PAD
+
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, d_k) each
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def padding_mask(ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) ids -> (B, 1, 1, S): True where a key is a real token, not padding."""
+    return (ids != PAD)[:, None, None, :]
+
+
+def causal_mask(T: int, device: torch.device | None = None) -> torch.Tensor:
+    """(T, T): position t may attend to positions <= t (Sec. 3.2.3, "masking out ... illegal connections")."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class Embeddings(nn.Module):
+    """Token embeddings multiplied by sqrt(d_model) (Sec. 3.4)."""
+
+    def __init__(self, vocab_size: int, d_model: int):
+        super().__init__()
+        self.lut = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
+        self.scale = math.sqrt(d_model)
+        nn.init.normal_(self.lut.weight, mean=0.0, std=d_model**-0.5)
+        with torch.no_grad():
+            self.lut.weight[PAD].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lut(ids) * self.scale  # (B, T, d)
+
+
+class PositionalEncoding(nn.Module):
+    """Sinusoidal positions (Sec. 3.5): PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        pos = torch.arange(max_positions, dtype=torch.float32)[:, None]  # (P, 1)
+        freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(max_positions, d_model)
+        pe[:, 0::2] = torch.sin(pos * freq)
+        pe[:, 1::2] = torch.cos(pos * freq)
+        self.register_buffer("pe", pe, persistent=False)  # derived, so not in checkpoints
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        T = x.size(1)
+        if start + T > self.pe.size(0):
+            raise ValueError(f"sequence of {start + T} positions exceeds model.max_positions={self.pe.size(0)}")
+        return x + self.pe[start:start + T].to(x.dtype)  # (B, T, d)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention (Sec. 3.2.2) through F.scaled_dot_product_attention.
+
+    Self-attention projects Q, K, V with one fused matrix; cross-attention projects Q from the
+    decoder and K, V (fused) from the encoder output, which decoding computes once per source.
+    """
+
+    def __init__(self, d_model: int, heads: int, dropout: float = 0.0, cross: bool = False):
+        super().__init__()
+        self.heads, self.d_k, self.dropout, self.cross = heads, d_model // heads, dropout, cross
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(B, T, n*d) -> n tensors of (B, H, T, d_k)."""
+        B, T, _ = x.shape
+        x = x.view(B, T, -1, self.heads, self.d_k).permute(2, 0, 3, 1, 4)  # (n, B, H, T, d_k)
+        return x.unbind(0)
+
+    def memory_kv(self, memory: torch.Tensor) -> KV:
+        """Cross-attention keys and values of the encoder output (B, S, d)."""
+        k, v = self._heads(self.kv_proj(memory))
+        return k, v
+
+    def forward(self, x: torch.Tensor, *, mask: Optional[torch.Tensor] = None, causal: bool = False,
+                memory: Optional[torch.Tensor] = None, kv: Optional[KV] = None) -> tuple[torch.Tensor, KV]:
+        """Attend from x (B, T, d). Returns the output (B, T, d) and the keys/values used, for caching.
+
+        Self-attention: `kv`, if given, holds the cached keys/values of earlier positions.
+        Cross-attention: `kv`, if given, replaces projecting `memory` again.
+        """
+        B, T, _ = x.shape
+        if self.cross:
+            (q,) = self._heads(self.q_proj(x))
+            k, v = kv if kv is not None else self.memory_kv(memory)
+        else:
+            q, k, v = self._heads(self.qkv_proj(x))
+            if kv is not None:
+                k = torch.cat([kv[0], k], dim=2)  # (B, H, S_past + T, d_k)
+                v = torch.cat([kv[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*d_k)
+        return self.out_proj(out), (k, v)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network FFN(x) = max(0, xW1 + b1)W2 + b2 (Sec. 3.3, Eq. 2)."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff)
+        self.w2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.dropout(F.relu(self.w1(x))))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each in a residual block with LayerNorm (Sec. 3.1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.pre_norm = cfg.norm == "pre"
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.dropout(self.self_attn(self.norm1(x), mask=mask)[0])
+            x = x + self.dropout(self.ff(self.norm2(x)))
+        else:  # the paper: LayerNorm(x + Sublayer(x))
+            x = self.norm1(x + self.dropout(self.self_attn(x, mask=mask)[0]))
+            x = self.norm2(x + self.dropout(self.ff(x)))
+        return x
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the encoder output, feed-forward (Sec. 3.1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, cross=True)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.pre_norm = cfg.norm == "pre"
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+                self_kv: Optional[KV] = None, cross_kv: Optional[KV] = None) -> tuple[torch.Tensor, KV, KV]:
+        """x (B, T, d). With cached `self_kv`, x holds only the new position(s) and needs no causal
+        mask (the cache has only the past; is_causal would align the triangle top-left)."""
+        causal = self_kv is None and x.size(1) > 1
+        if self.pre_norm:
+            h, self_kv = self.self_attn(self.norm1(x), causal=causal, kv=self_kv)
+            x = x + self.dropout(h)
+            h, cross_kv = self.cross_attn(self.norm2(x), mask=src_mask, memory=memory, kv=cross_kv)
+            x = x + self.dropout(h)
+            x = x + self.dropout(self.ff(self.norm3(x)))
+        else:
+            h, self_kv = self.self_attn(x, causal=causal, kv=self_kv)
+            x = self.norm1(x + self.dropout(h))
+            h, cross_kv = self.cross_attn(x, mask=src_mask, memory=memory, kv=cross_kv)
+            x = self.norm2(x + self.dropout(h))
+            x = self.norm3(x + self.dropout(self.ff(x)))
+        return x, self_kv, cross_kv
+
+
+class KVCache:
+    """Decoder state for incremental decoding, passed in and returned by `Transformer.decode`.
+
+    Per layer: self-attention keys/values of the positions decoded so far, and the cross-attention
+    keys/values of the source (computed on the first step only). `reorder` follows beam search.
+    """
+
+    def __init__(self, n_layers: int):
+        self.self_kv: list[Optional[KV]] = [None] * n_layers
+        self.cross_kv: list[Optional[KV]] = [None] * n_layers
+        self.length = 0  # positions decoded so far
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep/duplicate batch rows: row i of the new cache is row index[i] of the old one."""
+        for kvs in (self.self_kv, self.cross_kv):
+            for i, kv in enumerate(kvs):
+                if kv is not None:
+                    kvs[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
+
+
+# --------------------------------------------------------------------------- stacks and model
+
+
+class Encoder(nn.Module):
+    """N encoder layers; pre-norm stacks end with a final LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)
+
+
+class Decoder(nn.Module):
+    """N decoder layers; pre-norm stacks end with a final LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x = layer(x, memory, src_mask)[0]
+            else:
+                x, cache.self_kv[i], cache.cross_kv[i] = layer(
+                    x, memory, src_mask, cache.self_kv[i], cache.cross_kv[i])
+        return self.norm(x)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder with embeddings, positions and the output projection (Figure 1)."""
+
+    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.src_embed = Embeddings(src_vocab_size, cfg.d_model)
+        share_src_tgt = cfg.tie_embeddings and joint_vocab
+        self.tgt_embed = self.src_embed if share_src_tgt else Embeddings(tgt_vocab_size, cfg.d_model)
+        self.pos = PositionalEncoding(cfg.d_model, cfg.max_positions)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+        self.generator = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and "embed" not in name:
+                nn.init.xavier_uniform_(p)
+        if cfg.tie_embeddings:  # Sec. 3.4: the output projection shares the target embedding matrix
+            self.generator.weight = self.tgt_embed.lut.weight
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """src (B, S) ids -> memory (B, S, d) and its padding mask (B, 1, 1, S)."""
+        src_mask = padding_mask(src)
+        x = self.dropout(self.pos(self.src_embed(src)))
+        return self.encoder(x, src_mask), src_mask
+
+    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+               cache: Optional[KVCache] = None) -> torch.Tensor:
+        """tgt_in (B, T) ids -> decoder states (B, T, d). With a cache, tgt_in holds only the new
+        positions, which start at cache.length; the cache is updated in place."""
+        start = cache.length if cache is not None else 0
+        y = self.dropout(self.pos(self.tgt_embed(tgt_in), start))
+        h = self.decoder(y, memory, src_mask, cache)
+        if cache is not None:
+            cache.length += tgt_in.size(1)
+        return h
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits (B, T, V) for training."""
+        memory, src_mask = self.encode(src)
+        return self.generator(self.decode(tgt_in, memory, src_mask))
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.decoder.layers))
+
+    def decode_step(self, tokens: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+                    cache: KVCache) -> torch.Tensor:
+        """One incremental step: tokens (B, 1) -> log-probabilities (B, V) of the next token.
+
+        Only the newest position is projected to the vocabulary.
+        """
+        h = self.decode(tokens, memory, src_mask, cache)[:, -1]  # (B, d)
+        return F.log_softmax(self.generator(h).float(), dim=-1)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied matrices are counted once
+
+
+def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool) -> Transformer:
+    return Transformer(cfg, src_vocab_size, tgt_vocab_size, joint_vocab)

@@ -1,0 +1,141 @@
+"""Greedy and beam search over `Transformer.encode` / `decode_step`, with the KV cache.
+
+The beam *step* (`beam_step`) is a pure function; `beam_search` is the bookkeeping loop around
+it. Finished sentences leave the batch, so the work per step shrinks as sentences end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .model import Transformer
+from .tokenizer import BOS, EOS, PAD
+
+
+def max_output_len(src_lens: torch.Tensor, a: float, b: int, limit: int) -> torch.Tensor:
+    """Per-sentence output budget a*|src| + b tokens (EOS included), capped at `limit`."""
+    return (src_lens.float() * a + b).floor().long().clamp(1, limit)
+
+
+def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | float:
+    """GNMT length penalty lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al., 2016, Eq. 14)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def _mask_specials(logp: torch.Tensor) -> torch.Tensor:
+    logp[:, PAD] = -math.inf  # never generate padding or a second BOS
+    logp[:, BOS] = -math.inf
+    return logp
+
+
+@torch.inference_mode()
+def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10
+                  ) -> list[list[int]]:
+    """Most likely next token at each step; src (B, S) -> token lists without EOS."""
+    B = src.size(0)
+    memory, src_mask = model.encode(src)
+    limit = model.cfg.max_positions
+    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, limit)  # (B,)
+    out: list[list[int]] = [[] for _ in range(B)]
+    alive = torch.arange(B, device=src.device)  # original row of each row still decoding
+    tokens = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)
+    cache = model.new_cache()
+    for t in range(int(max_len.max())):
+        logp = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (n, V)
+        forced = max_len[alive] <= t + 1  # out of budget: this token must be EOS
+        logp[forced] = torch.where(torch.arange(logp.size(1), device=logp.device) == EOS, 0.0, -math.inf)
+        next_tok = logp.argmax(-1)  # (n,)
+        done = next_tok == EOS
+        for row, tok in zip(alive.tolist(), next_tok.tolist()):
+            if tok != EOS:
+                out[row].append(tok)
+        if done.all():
+            break
+        keep = (~done).nonzero().squeeze(1)
+        if len(keep) < len(alive):  # drop finished sentences from the batch
+            alive, memory, src_mask = alive[keep], memory[keep], src_mask[keep]
+            cache.reorder(keep)
+        tokens = next_tok[keep].unsqueeze(1)
+    return out
+
+
+def beam_step(cum_scores: torch.Tensor, logp: torch.Tensor, n_cand: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One beam-search step (pure): best `n_cand` extensions over beam x vocabulary.
+
+    cum_scores (N, K) log-probabilities of the live hypotheses; logp (N, K, V) next-token
+    log-probabilities. Returns scores, source beam and token of each candidate, each (N, n_cand),
+    best first. Taking 2K candidates means hypotheses ending in EOS never leave fewer than K
+    to continue (fairseq's trick).
+    """
+    N, K, V = logp.shape
+    scores = (cum_scores.unsqueeze(-1) + logp).view(N, K * V)  # (N, K*V)
+    top, idx = scores.topk(min(n_cand, K * V), dim=1)
+    return top, idx // V, idx % V  # beam = flat index div V, token = mod V
+
+
+@torch.inference_mode()
+def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: float = 0.6,
+                max_len_a: float = 1.5, max_len_b: int = 10) -> list[list[int]]:
+    """Batched beam search; returns the best hypothesis (without EOS) for each source row.
+
+    Hypotheses are scored by log P(Y|X) / lp(Y) (GNMT length penalty, |Y| counting EOS).
+    A sentence is finished once it has `beam` complete hypotheses or reaches its length budget.
+    """
+    B, K = src.size(0), beam
+    device = src.device
+    memory, src_mask = model.encode(src)
+    limit = model.cfg.max_positions
+    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, limit)  # (B,)
+    # Each sentence's K hypotheses sit in K consecutive rows of every decoder tensor.
+    expand = torch.arange(B, device=device).repeat_interleave(K)
+    memory, src_mask = memory[expand], src_mask[expand]  # (B*K, S, d), (B*K, 1, 1, S)
+    alive = torch.arange(B, device=device)  # original sentence of each live group
+    cum = torch.full((B, K), -math.inf, device=device)
+    cum[:, 0] = 0.0  # at the start only one hypothesis is real
+    seqs = torch.full((B * K, 0), BOS, dtype=torch.long, device=device)
+    tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    cache = model.new_cache()
+    arange_v = None
+    for t in range(int(max_len.max())):
+        N = len(alive)
+        logp = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (N*K, V)
+        V = logp.size(1)
+        if arange_v is None:
+            arange_v = torch.arange(V, device=device)
+        forced = (max_len[alive] <= t + 1).repeat_interleave(K)  # out of budget: end with EOS
+        logp[forced] = torch.where(arange_v == EOS, 0.0, -math.inf)
+        top, src_beam, tok = beam_step(cum, logp.view(N, K, V), 2 * K)  # (N, 2K) each
+        # Candidates ending in EOS among the best K become finished hypotheses.
+        is_eos = tok == EOS
+        final = is_eos[:, :K] & torch.isfinite(top[:, :K])
+        if final.any():
+            lp = length_penalty(t + 1, alpha)
+            for n, c in final.nonzero().tolist():
+                row = n * K + int(src_beam[n, c])
+                finished[int(alive[n])].append((float(top[n, c]) / lp, seqs[row].tolist()))
+        # The best K candidates not ending in EOS continue.
+        live_scores = top.masked_fill(is_eos, -math.inf)
+        keep_scores, pick = live_scores.topk(K, dim=1)  # (N, K)
+        beams = src_beam.gather(1, pick)  # (N, K)
+        rows = (torch.arange(N, device=device).unsqueeze(1) * K + beams).view(-1)  # (N*K,)
+        next_tok = tok.gather(1, pick).view(-1, 1)  # (N*K, 1)
+        seqs = torch.cat([seqs[rows], next_tok], dim=1)
+        cum = keep_scores
+        # A sentence is done with K finished hypotheses, at its budget, or with no live hypothesis.
+        done = torch.tensor([len(finished[int(s)]) >= K for s in alive.tolist()], device=device)
+        done |= max_len[alive] <= t + 1
+        done |= ~torch.isfinite(cum[:, 0])
+        if done.all():
+            break
+        keep = (~done).nonzero().squeeze(1)  # (N',) live groups
+        keep_rows = (keep.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
+        rows = rows[keep_rows]
+        cache.reorder(rows)
+        if len(keep) < N:  # drop finished sentences from the batch
+            memory, src_mask = memory[keep_rows], src_mask[keep_rows]
+        alive, cum, seqs, tokens = alive[keep], cum[keep], seqs[keep_rows], next_tok[keep_rows]
+    return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in finished]

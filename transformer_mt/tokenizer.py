@@ -1,0 +1,107 @@
+"""SentencePiece subword models: trained once on the training split, saved in the run directory.
+
+Special ids are fixed for every model so that the rest of the code can name them as constants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+from .config import TokenizerConfig
+from .fileio import atomic_write
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+
+
+class Tokenizer:
+    """Source and target SentencePiece models (the same object when the vocabulary is joint)."""
+
+    def __init__(self, src_model: bytes, tgt_model: bytes | None = None):
+        self.src_bytes = src_model
+        self.tgt_bytes = tgt_model if tgt_model is not None else src_model
+        self.joint = tgt_model is None or tgt_model == src_model
+        self.src = spm.SentencePieceProcessor(model_proto=self.src_bytes)
+        self.tgt = self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_bytes)
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.src.get_piece_size()
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.tgt.get_piece_size()
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the model files: checkpoints and caches record which tokenizer they used."""
+        h = hashlib.sha256(self.src_bytes)
+        if not self.joint:
+            h.update(self.tgt_bytes)
+        return h.hexdigest()[:16]
+
+    def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
+        return self.src.encode(list(lines))
+
+    def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
+        return self.tgt.encode(list(lines))
+
+    def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        return self.tgt.decode([list(x) for x in ids])
+
+    def save(self, run_dir: str | os.PathLike) -> None:
+        """Write spm.model (joint) or spm.src.model + spm.tgt.model, each atomically."""
+        run_dir = Path(run_dir)
+        if self.joint:
+            atomic_write(run_dir / "spm.model", self.src_bytes)
+        else:
+            atomic_write(run_dir / "spm.src.model", self.src_bytes)
+            atomic_write(run_dir / "spm.tgt.model", self.tgt_bytes)
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> "Tokenizer":
+        run_dir = Path(run_dir)
+        if (run_dir / "spm.model").exists():
+            return cls((run_dir / "spm.model").read_bytes())
+        src, tgt = run_dir / "spm.src.model", run_dir / "spm.tgt.model"
+        if src.exists() and tgt.exists():
+            return cls(src.read_bytes(), tgt.read_bytes())
+        raise FileNotFoundError(f"no SentencePiece model (spm.model or spm.src.model + spm.tgt.model) in {run_dir}")
+
+    @staticmethod
+    def exists(run_dir: str | os.PathLike) -> bool:
+        run_dir = Path(run_dir)
+        return (run_dir / "spm.model").exists() or (run_dir / "spm.src.model").exists()
+
+
+def train_tokenizer(cfg: TokenizerConfig, src_lines: Sequence[str], tgt_lines: Sequence[str],
+                    seed: int = 1) -> Tokenizer:
+    """Train SentencePiece on the training split: one joint model, or one per language."""
+    if cfg.joint:
+        return Tokenizer(_train_one(cfg, [*src_lines, *tgt_lines], seed))
+    return Tokenizer(_train_one(cfg, src_lines, seed), _train_one(cfg, tgt_lines, seed))
+
+
+def _train_one(cfg: TokenizerConfig, lines: Iterable[str], seed: int) -> bytes:
+    buf = io.BytesIO()
+    spm.set_random_generator_seed(seed)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=(line for line in lines if line.strip()),
+        model_writer=buf,
+        model_type=cfg.type,
+        vocab_size=cfg.vocab_size,
+        hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary instead of an error
+        character_coverage=cfg.character_coverage,
+        input_sentence_size=cfg.max_sentences,
+        shuffle_input_sentence=True,
+        pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+        num_threads=max(1, os.cpu_count() or 1),
+        minloglevel=2,
+    )
+    return buf.getvalue()
+
