@@ -17,8 +17,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# The main job on the built-in demo corpus: the same commands a user types.
 demo: install
-	$(VENV)/bin/tmt demo
+	$(PY) -m transformer_mt.demo_corpus data/demo
+	rm -rf runs/demo
+	$(VENV)/bin/tmt train configs/demo.yaml
+	$(VENV)/bin/tmt evaluate --checkpoint runs/demo --beam 4
+	$(VENV)/bin/tmt translate --checkpoint runs/demo --beam 4 < configs/demo_samples.en | paste -d '\n' configs/demo_samples.en - | sed 'n;s/^/  -> /'
 
 test: install
 	$(PY) -m pytest -q

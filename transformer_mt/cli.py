@@ -6,6 +6,7 @@ Exit status: 0 success, 2 user error (message, no traceback), 1 anything else.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -99,12 +100,13 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
     model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(args.checkpoint), pick_device(args.device))
     translator = Translator(model, tokenizer, cfg.decode)
-    try:
-        src = open(args.input, encoding="utf-8", errors="replace") if args.input else sys.stdin
-    except OSError as e:
-        raise UserError(f"cannot read --input {args.input}: {e.strerror}") from None
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    with src, out:
+    with contextlib.ExitStack() as stack:  # closes only the files opened here, never stdin/stdout
+        try:
+            src = stack.enter_context(open(args.input, encoding="utf-8", errors="replace")) if args.input \
+                else sys.stdin
+            out = stack.enter_context(open(args.output, "w", encoding="utf-8")) if args.output else sys.stdout
+        except OSError as e:
+            raise UserError(f"cannot open {e.filename}: {e.strerror}") from None
         for line in translator.translate_stream(src, beam=args.beam):
             out.write(line + "\n")
             out.flush()

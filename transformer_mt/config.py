@@ -290,6 +290,11 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"config error: {where}{key} must be a list of {len(args)} numbers, got {value!r}")
         return tuple(_coerce(v, a, key, where) for v, a in zip(value, args))
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-9 (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),

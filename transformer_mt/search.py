@@ -30,6 +30,13 @@ def _mask_specials(logp: torch.Tensor) -> torch.Tensor:
     return logp
 
 
+def _force_eos(logp: torch.Tensor, forced: torch.Tensor) -> None:
+    """Rows out of length budget may only end: every token but EOS gets -inf (EOS keeps its score)."""
+    eos = logp[:, EOS].clone()
+    logp[forced] = -math.inf
+    logp[:, EOS] = torch.where(forced, eos, logp[:, EOS])
+
+
 @torch.inference_mode()
 def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10
                   ) -> list[list[int]]:
@@ -45,7 +52,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
     for t in range(int(max_len.max())):
         logp = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (n, V)
         forced = max_len[alive] <= t + 1  # out of budget: this token must be EOS
-        logp[forced] = torch.where(torch.arange(logp.size(1), device=logp.device) == EOS, 0.0, -math.inf)
+        _force_eos(logp, forced)
         next_tok = logp.argmax(-1)  # (n,)
         done = next_tok == EOS
         for row, tok in zip(alive.tolist(), next_tok.tolist()):
@@ -99,15 +106,12 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
     tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
     cache = model.new_cache()
-    arange_v = None
     for t in range(int(max_len.max())):
         N = len(alive)
         logp = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (N*K, V)
         V = logp.size(1)
-        if arange_v is None:
-            arange_v = torch.arange(V, device=device)
         forced = (max_len[alive] <= t + 1).repeat_interleave(K)  # out of budget: end with EOS
-        logp[forced] = torch.where(arange_v == EOS, 0.0, -math.inf)
+        _force_eos(logp, forced)
         top, src_beam, tok = beam_step(cum, logp.view(N, K, V), 2 * K)  # (N, 2K) each
         # Candidates ending in EOS among the best K become finished hypotheses.
         is_eos = tok == EOS

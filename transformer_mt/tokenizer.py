@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from .config import TokenizerConfig
+from .errors import UserError
 from .fileio import atomic_write
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -90,18 +91,21 @@ def train_tokenizer(cfg: TokenizerConfig, src_lines: Sequence[str], tgt_lines: S
 def _train_one(cfg: TokenizerConfig, lines: Iterable[str], seed: int) -> bytes:
     buf = io.BytesIO()
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=(line for line in lines if line.strip()),
-        model_writer=buf,
-        model_type=cfg.type,
-        vocab_size=cfg.vocab_size,
-        hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary instead of an error
-        character_coverage=cfg.character_coverage,
-        input_sentence_size=cfg.max_sentences,
-        shuffle_input_sentence=True,
-        pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-        num_threads=max(1, os.cpu_count() or 1),
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=(line for line in lines if line.strip()),
+            model_writer=buf,
+            model_type=cfg.type,
+            vocab_size=cfg.vocab_size,
+            hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary instead of an error
+            character_coverage=cfg.character_coverage,
+            input_sentence_size=cfg.max_sentences,
+            shuffle_input_sentence=True,
+            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+            num_threads=max(1, os.cpu_count() or 1),
+            minloglevel=2,
+        )
+    except RuntimeError as e:  # e.g. a vocabulary smaller than the corpus's character set
+        raise UserError(f"config error: tokenizer.vocab_size={cfg.vocab_size} does not fit this corpus: "
+                        f"SentencePiece says: {str(e).strip().splitlines()[-1]}") from None
     return buf.getvalue()
-

@@ -1,0 +1,358 @@
+"""End to end through `tmt` (cli.main): train a tiny model once, then translate and evaluate with it."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer_mt.cli import main
+from transformer_mt.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TMT = ROOT / ".venv" / "bin" / "tmt"
+WORDS = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "kilo", "lima", "mike",
+         "nova", "oscar", "papa", "romeo", "sierra", "tango"]
+N_TEST = 17
+
+
+def random_lines(n: int, rng: random.Random) -> list[str]:
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))) for _ in range(n)]
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def lines_of(path: Path) -> list[str]:
+    """Lines of a file written one per line; split on \\n only (a translation may hold other separators)."""
+    text = path.read_text(encoding="utf-8")
+    assert text == "" or text.endswith("\n")
+    return text.split("\n")[:-1] if text else []
+
+
+def write_config(folder: Path, corpus: Path, output_dir: Path, extra: str = "") -> Path:
+    path = folder / "tiny.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        data:
+          src_lang: en
+          tgt_lang: de
+          train: {corpus / 'train'}
+          valid: {corpus / 'valid'}
+          test: {corpus / 'test'}
+        tokenizer:
+          vocab_size: 60
+        model:
+          d_model: 32
+          heads: 2
+          encoder_layers: 1
+          decoder_layers: 1
+          d_ff: 64
+          max_positions: 128
+        train:
+          max_steps: 500
+          valid_every: 15
+          log_every: 10
+          max_tokens: 1024
+          warmup: 10
+          device: cpu
+        decode:
+          beam: 2
+          max_len_b: 5
+        output_dir: {output_dir}
+        """) + extra, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread (the test machine is small and shared: oversubscription stalls torch),
+    and the package logger as it was before main() configured it, for the modules that run after."""
+    threads = torch.get_num_threads()
+    logger = logging.getLogger("transformer_mt")
+    handlers, level = list(logger.handlers), logger.level
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, one_thread):
+    """Train the tiny model once (about 5 s on one core); tests share its run directory."""
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    rng = random.Random(0)
+    for split, n in (("train", 400), ("valid", 12), ("test", N_TEST)):
+        src = random_lines(n, rng)
+        write_lines(corpus / f"{split}.en", src)
+        write_lines(corpus / f"{split}.de", [s.upper() for s in src])
+    run_dir = root / "run"
+    cfg = write_config(root, corpus, run_dir)
+    rc = main(["train", str(cfg), "--set", "train.max_steps=30"])
+    return {"rc": rc, "run_dir": run_dir, "config": cfg, "corpus": corpus, "root": root}
+
+
+# --------------------------------------------------------------------------- train
+
+
+def test_train_writes_a_complete_run_directory(trained):
+    assert trained["rc"] == 0
+    run = trained["run_dir"]
+    for name in ("config.yaml", "spm.model", "checkpoints/last.pt", "checkpoints/best.pt"):
+        assert (run / name).is_file(), name
+    assert list((run / "tb").rglob("events.out.tfevents*")), "no TensorBoard events under tb/"
+    # The override reached the run: the saved config and the last checkpoint both say 30 steps.
+    assert load_config(run / "config.yaml").train.max_steps == 30
+    ckpt = torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert ckpt["step"] == 30
+
+
+# --------------------------------------------------------------------------- translate
+
+
+def test_translate_file_keeps_line_count_and_empty_lines(trained, tmp_path):
+    src = ["alpha beta gamma", "", "delta echo", "fox golf hotel india", "", "kilo", ""]
+    f = write_lines(tmp_path / "in.txt", src)
+    g = tmp_path / "out.txt"
+    rc = main(["translate", "--checkpoint", str(trained["run_dir"]), "--input", str(f), "--output", str(g),
+               "--beam", "2", "--device", "cpu"])
+    assert rc == 0
+    out = lines_of(g)
+    assert len(out) == len(src)
+    for line_in, line_out in zip(src, out):
+        if line_in == "":
+            assert line_out == ""
+
+
+def test_translate_greedy_with_a_checkpoint_file(trained, tmp_path):
+    src = random_lines(9, random.Random(4))
+    f = write_lines(tmp_path / "in.txt", src)
+    g = tmp_path / "out.txt"
+    ckpt = trained["run_dir"] / "checkpoints" / "last.pt"
+    assert main(["translate", "-c", str(ckpt), "-i", str(f), "-o", str(g), "--beam", "1"]) == 0
+    assert len(lines_of(g)) == len(src)
+
+
+def test_translate_stdin_to_stdout_leaves_streams_open(trained, monkeypatch):
+    stdin, stdout = io.StringIO("alpha beta\n\ngamma delta\n"), io.StringIO()
+    monkeypatch.setattr(sys, "stdin", stdin)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["translate", "-c", str(trained["run_dir"])]) == 0
+    assert not stdout.closed
+    assert len(stdout.getvalue().split("\n")[:-1]) == 3
+
+
+def test_translate_without_checkpoint_uses_newest_run_in_cwd(trained, tmp_path, monkeypatch, capsys):
+    runs = tmp_path / "runs"
+    # An older run whose checkpoint is unusable: picking it would fail.
+    old = runs / "older" / "checkpoints"
+    old.mkdir(parents=True)
+    shutil.copy(trained["run_dir"] / "spm.model", runs / "older")
+    (old / "last.pt").write_bytes(b"")
+    os.utime(old / "last.pt", (1_000_000_000, 1_000_000_000))
+    new = runs / "newer"
+    (new / "checkpoints").mkdir(parents=True)
+    shutil.copy(trained["run_dir"] / "spm.model", new)
+    shutil.copy(trained["run_dir"] / "checkpoints" / "last.pt", new / "checkpoints" / "last.pt")
+    f = write_lines(tmp_path / "in.txt", ["alpha beta", "gamma"])
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    rc = main(["translate", "--input", "in.txt", "--output", "out.txt", "--beam", "1"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "newer" in err and "older" not in err
+    assert len(lines_of(tmp_path / "out.txt")) == 2
+
+
+# --------------------------------------------------------------------------- evaluate
+
+
+def test_evaluate_test_split_json(trained, capsys):
+    capsys.readouterr()
+    rc = main(["evaluate", "--checkpoint", str(trained["run_dir"]), "--json", "--beam", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    result = json.loads(out)
+    for key in ("bleu", "chrf", "signature", "hypotheses_path"):
+        assert key in result, key
+    assert 0.0 <= result["bleu"] <= 100.0 and 0.0 <= result["chrf"] <= 100.0
+    assert "BLEU" in result["signature"] or "nrefs" in result["signature"]
+    hyp = Path(result["hypotheses_path"])
+    assert hyp.is_file()
+    assert len(lines_of(hyp)) == N_TEST
+
+
+def test_evaluate_src_ref_files(trained, tmp_path, capsys):
+    src = random_lines(7, random.Random(11))
+    s = write_lines(tmp_path / "mine.en", src)
+    r = write_lines(tmp_path / "mine.de", [x.upper() for x in src])
+    hyp = tmp_path / "hyps" / "mine.hyp"
+    hyp.parent.mkdir()
+    capsys.readouterr()
+    rc = main(["evaluate", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r), "--json",
+               "--output", str(hyp)])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert Path(result["hypotheses_path"]).resolve() == hyp.resolve()
+    assert len(lines_of(hyp)) == 7
+
+
+def test_evaluate_text_output(trained, capsys):
+    assert main(["evaluate", "-c", str(trained["run_dir"]), "--beam", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "BLEU" in captured.out and "chrF" in captured.out
+    assert "sentences" in captured.err
+
+
+# --------------------------------------------------------------------------- user errors
+
+
+def _error_cases():
+    def missing_config(t, tmp):
+        return ["train", str(tmp / "nope.yaml")], "nope.yaml"
+
+    def unknown_key(t, tmp):
+        cfg = tmp / "bad.yaml"
+        cfg.write_text("model:\n  d_modle: 64\n")
+        return ["train", str(cfg)], "model.d_modle"
+
+    def unknown_override(t, tmp):
+        return ["train", str(t["config"]), "--set", "train.max_stepz=3"], "train.max_stepz"
+
+    def bad_override(t, tmp):
+        return ["train", str(t["config"]), "--set", "model.heads=3"], "model.d_model"
+
+    def vocab_smaller_than_alphabet(t, tmp):
+        cfg = write_config(tmp, t["corpus"], tmp / "run_small_vocab", "tokenizer:\n  vocab_size: 16\n")
+        return ["-q", "train", str(cfg)], "tokenizer.vocab_size"
+
+    def missing_checkpoint(t, tmp):
+        return ["translate", "--checkpoint", str(tmp / "no-such-run"), "--input", str(t["config"])], "no-such-run"
+
+    def evaluate_missing_checkpoint(t, tmp):
+        return ["evaluate", "--checkpoint", str(tmp / "gone.pt")], "gone.pt"
+
+    def empty_run_dir(t, tmp):
+        (tmp / "emptyrun").mkdir()
+        return ["translate", "--checkpoint", str(tmp / "emptyrun")], "emptyrun"
+
+    def no_runs_in_cwd(t, tmp):
+        return ["evaluate"], "runs"  # the test runs in an empty cwd
+
+    def text_checkpoint(text):
+        def case(t, tmp):
+            path = tmp / "notes.txt"
+            path.write_text(text)
+            return ["translate", "--checkpoint", str(path), "--input", str(t["config"])], "notes.txt"
+        return case
+
+    def empty_checkpoint(t, tmp):
+        path = tmp / "empty.pt"
+        path.write_bytes(b"")
+        return ["evaluate", "--checkpoint", str(path)], "empty.pt"
+
+    def src_without_ref(t, tmp):
+        return ["evaluate", "-c", str(t["run_dir"]), "--src", str(t["corpus"] / "test.en")], "--ref"
+
+    def ref_without_src(t, tmp):
+        return ["evaluate", "-c", str(t["run_dir"]), "--ref", str(t["corpus"] / "test.de")], "--src"
+
+    def src_ref_mismatch(t, tmp):
+        s = write_lines(tmp / "a.en", ["alpha", "beta"])
+        r = write_lines(tmp / "a.de", ["ALPHA"])
+        return ["evaluate", "-c", str(t["run_dir"]), "--src", str(s), "--ref", str(r)], "a.de"
+
+    def missing_input(t, tmp):
+        return ["translate", "-c", str(t["run_dir"]), "--input", str(tmp / "absent.txt")], "absent.txt"
+
+    return [
+        pytest.param(missing_config, id="missing-config"),
+        pytest.param(unknown_key, id="unknown-key"),
+        pytest.param(unknown_override, id="unknown-override"),
+        pytest.param(bad_override, id="override-out-of-range"),
+        pytest.param(vocab_smaller_than_alphabet, id="vocab-smaller-than-alphabet"),
+        pytest.param(missing_checkpoint, id="missing-checkpoint"),
+        pytest.param(evaluate_missing_checkpoint, id="evaluate-missing-checkpoint"),
+        pytest.param(empty_run_dir, id="run-dir-without-checkpoints"),
+        pytest.param(no_runs_in_cwd, id="no-runs-in-cwd"),
+        pytest.param(text_checkpoint("this is not a checkpoint\n"), id="text-checkpoint"),
+        pytest.param(text_checkpoint("hello\n"), id="text-checkpoint-hello"),
+        pytest.param(text_checkpoint("{}"), id="text-checkpoint-braces"),
+        pytest.param(empty_checkpoint, id="empty-checkpoint"),
+        pytest.param(src_without_ref, id="src-without-ref"),
+        pytest.param(ref_without_src, id="ref-without-src"),
+        pytest.param(src_ref_mismatch, id="src-ref-line-mismatch"),
+        pytest.param(missing_input, id="missing-input"),
+    ]
+
+
+@pytest.mark.parametrize("case", _error_cases())
+def test_user_errors_exit_2_with_one_line(trained, tmp_path, monkeypatch, capsys, case):
+    monkeypatch.chdir(tmp_path)
+    argv, mention = case(trained, tmp_path)
+    capsys.readouterr()
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("tmt:")
+    assert mention in lines[0]
+
+
+# --------------------------------------------------------------------------- --help
+
+HELP_FLAGS = {
+    (): ["train", "translate", "evaluate"],
+    ("train",): ["--set"],
+    ("translate",): ["--checkpoint", "--beam", "--input", "--output", "--device"],
+    ("evaluate",): ["--checkpoint", "--beam", "--src", "--ref", "--json", "--device", "--output"],
+}
+
+
+@pytest.mark.parametrize("sub", list(HELP_FLAGS), ids=lambda s: " ".join(s) or "tmt")
+def test_help_in_process(sub, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*sub, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in HELP_FLAGS[sub]:
+        assert flag in out, flag
+
+
+def test_console_script_help():
+    assert TMT.is_file(), f"{TMT} is missing: run `make install`"
+    for sub, flags in HELP_FLAGS.items():
+        proc = subprocess.run([str(TMT), *sub, "--help"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        for flag in flags:
+            assert flag in proc.stdout, (sub, flag)
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert "usage" in capsys.readouterr().err.lower()
+
+
+def test_bad_beam_is_a_usage_error(trained, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["translate", "-c", str(trained["run_dir"]), "--beam", "0"])
+    assert info.value.code == 2
+    assert "--beam" in capsys.readouterr().err

@@ -1,0 +1,408 @@
+"""Corpora: reading (text, gz, TSV, JSONL, hub offline), filtering, batching, collating, caching."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import random
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from transformer_mt import data
+from transformer_mt.config import DataConfig, TokenizerConfig
+from transformer_mt.data import (DataError, TokenizedCorpus, collate, load_tokenized, make_batches, read_split,
+                                 usable_indices)
+from transformer_mt.tokenizer import BOS, EOS, PAD, train_tokenizer
+
+WORDS = "the a cat dog sat on mat red blue green house tree river stone small big old new runs sees".split()
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))) for _ in range(n)]
+
+
+def write_text(path: Path, lines: list[str]) -> Path:
+    payload = "".join(line + "\n" for line in lines).encode("utf-8")
+    if path.suffix == ".gz":
+        with gzip.open(path, "wb") as f:
+            f.write(payload)
+    else:
+        path.write_bytes(payload)
+    return path
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """Keep `datasets`' csv/json caches inside the test's folder."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    return tmp_path / "hf-cache"
+
+
+# --------------------------------------------------------------------------- text format
+
+
+@pytest.mark.parametrize("src_suffix, tgt_suffix", [("", ""), (".gz", ".gz"), ("", ".gz")])
+def test_read_split_text_plain_and_gz(tmp_path, src_suffix, tgt_suffix):
+    src = ["hello world", "", "  spaced  ", "ünïcödé ✓"]
+    tgt = ["HALLO WELT", "leer", "x", "UNICODE"]
+    write_text(tmp_path / f"train.en{src_suffix}", src)
+    write_text(tmp_path / f"train.de{tgt_suffix}", tgt)
+    cfg = DataConfig(train=str(tmp_path / "train"))
+    assert read_split(cfg, "train") == (src, tgt)
+
+
+def test_read_split_crlf_and_no_final_newline(tmp_path):
+    (tmp_path / "t.en").write_bytes(b"one\r\ntwo\r\nthree")
+    (tmp_path / "t.de").write_bytes(b"eins\nzwei\ndrei\n")
+    cfg = DataConfig(valid=str(tmp_path / "t"))
+    assert read_split(cfg, "valid") == (["one", "two", "three"], ["eins", "zwei", "drei"])
+
+
+def test_line_count_mismatch_names_both_files_and_counts(tmp_path):
+    src_path = write_text(tmp_path / "train.en", sentences(7))
+    tgt_path = write_text(tmp_path / "train.de", sentences(5))
+    with pytest.raises(DataError) as info:
+        read_split(DataConfig(train=str(tmp_path / "train")), "train")
+    msg = str(info.value)
+    assert str(src_path) in msg and str(tgt_path) in msg
+    rest = msg.replace(str(src_path), "").replace(str(tgt_path), "")
+    assert re.search(r"\b7\b", rest) and re.search(r"\b5\b", rest), msg
+
+
+@pytest.mark.parametrize("missing", ["en", "de"])
+def test_missing_file_names_the_path(tmp_path, missing):
+    present = "de" if missing == "en" else "en"
+    write_text(tmp_path / f"train.{present}", ["x"])
+    with pytest.raises(DataError) as info:
+        read_split(DataConfig(train=str(tmp_path / "train")), "train")
+    assert str(tmp_path / f"train.{missing}") in str(info.value)
+
+
+def test_unset_split_is_a_data_error():
+    with pytest.raises(DataError, match="data.test"):
+        read_split(DataConfig(train="x"), "test")
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_invalid_utf8_reports_file_and_line(tmp_path, gz):
+    payload = b"first line\nsecond line\nbad \xff\xfe byte\nfourth\n"
+    src_path = tmp_path / ("train.en.gz" if gz else "train.en")
+    if gz:
+        with gzip.open(src_path, "wb") as f:
+            f.write(payload)
+    else:
+        src_path.write_bytes(payload)
+    write_text(tmp_path / "train.de", ["a", "b", "c", "d"])
+    with pytest.raises(DataError) as info:
+        read_split(DataConfig(train=str(tmp_path / "train")), "train")
+    assert f"{src_path}:3" in str(info.value)
+
+
+def test_corrupt_gzip_is_a_data_error(tmp_path):
+    (tmp_path / "train.en.gz").write_bytes(b"this is not gzip data")
+    write_text(tmp_path / "train.de", ["a"])
+    with pytest.raises(DataError) as info:
+        read_split(DataConfig(train=str(tmp_path / "train")), "train")
+    assert "train.en.gz" in str(info.value)
+
+
+# --------------------------------------------------------------------------- tsv / jsonl / hf
+
+
+def test_tsv_keeps_quotes_and_na_verbatim(tmp_path, hf_cache):
+    rows = [
+        ('He said "hi" to me', 'Er sagte "hallo" zu mir'),
+        ("NA", "NA"),
+        ('"fully quoted"', "null"),
+        ("NaN", "None"),
+        ("plain", "schlicht"),
+    ]
+    path = tmp_path / "train.tsv"
+    path.write_text("".join(f"{s}\t{t}\n" for s, t in rows), encoding="utf-8")
+    src, tgt = read_split(DataConfig(format="tsv", train=str(path)), "train")
+    assert src == [s for s, _ in rows]
+    assert tgt == [t for _, t in rows]
+
+
+def test_jsonl_nested_fields(tmp_path, hf_cache):
+    rows = [{"id": i, "translation": {"en": f"sentence {i}", "de": f"Satz {i}"}} for i in range(4)]
+    path = tmp_path / "valid.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    cfg = DataConfig(format="jsonl", valid=str(path), src_field="translation.en", tgt_field="translation.de")
+    assert read_split(cfg, "valid") == ([f"sentence {i}" for i in range(4)], [f"Satz {i}" for i in range(4)])
+
+
+def test_jsonl_flat_fields_default_to_language_codes(tmp_path, hf_cache):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"en": "one", "de": "eins"}\n{"en": "two", "de": "zwei"}\n', encoding="utf-8")
+    assert read_split(DataConfig(format="jsonl", train=str(path)), "train") == (["one", "two"], ["eins", "zwei"])
+
+
+def test_jsonl_missing_field_names_it(tmp_path, hf_cache):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"translation": {"en": "one", "fr": "un"}}\n', encoding="utf-8")
+    cfg = DataConfig(format="jsonl", train=str(path), src_field="translation.en", tgt_field="translation.de")
+    with pytest.raises(DataError, match="translation.de"):
+        read_split(cfg, "train")
+
+
+@pytest.mark.parametrize("fmt", ["tsv", "jsonl"])
+def test_record_formats_missing_file(tmp_path, fmt):
+    missing = tmp_path / f"nope.{fmt}"
+    with pytest.raises(DataError) as info:
+        read_split(DataConfig(format=fmt, train=str(missing)), "train")
+    assert str(missing) in str(info.value)
+
+
+def test_hf_offline_fails_fast_with_a_clear_message(tmp_path, monkeypatch, hf_cache):
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
+    # load_hub_dataset flips these process-wide flags when offline: restore them afterwards.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", huggingface_hub.constants.HF_HUB_OFFLINE)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty cache: nothing to fall back on
+    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: False)
+    cfg = DataConfig(format="hf", dataset="no-such-user/no-such-dataset-for-tests", train="train")
+    start = time.monotonic()
+    with pytest.raises(DataError) as info:
+        read_split(cfg, "train")
+    elapsed = time.monotonic() - start
+    assert "offline" in str(info.value)
+    assert elapsed < 15, f"offline hub load took {elapsed:.1f}s"
+
+
+# --------------------------------------------------------------------------- filtering
+
+
+def test_usable_indices_drops_empty_and_long_and_warns(caplog):
+    max_len = 5
+    pairs = [
+        (3, 3),  # 0 keep
+        (0, 2),  # 1 empty source
+        (2, 0),  # 2 empty target
+        (6, 2),  # 3 source too long
+        (2, 6),  # 4 target too long
+        (9, 9),  # 5 both too long
+        (5, 5),  # 6 keep: exactly max_len
+        (1, 1),  # 7 keep
+    ]
+    corpus = TokenizedCorpus.from_lists([[7] * s for s, _ in pairs], [[8] * t for _, t in pairs])
+    with caplog.at_level(logging.WARNING, logger="transformer_mt"):
+        keep = usable_indices(corpus, max_len, "train")
+    assert keep.tolist() == [0, 6, 7]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "transformer_mt" and r.levelno == logging.WARNING]
+    assert any("empty" in m and re.search(r"\b2\b", m) for m in warnings), warnings
+    assert any(re.search(r"\b3\b", m) and ("long" in m or "max_len" in m) for m in warnings), warnings
+
+
+def test_usable_indices_is_silent_when_nothing_dropped(caplog):
+    corpus = TokenizedCorpus.from_lists([[4, 5], [6]], [[7], [8, 9]])
+    with caplog.at_level(logging.WARNING, logger="transformer_mt"):
+        assert usable_indices(corpus, 10, "valid").tolist() == [0, 1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_usable_indices_all_dropped_is_an_error():
+    corpus = TokenizedCorpus.from_lists([[], [4] * 20], [[5], [5]])
+    with pytest.raises(DataError, match="data.max_len"):
+        usable_indices(corpus, 10, "train")
+
+
+# --------------------------------------------------------------------------- batching
+
+
+@pytest.fixture
+def lengths() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(123)
+    n = 600
+    src = rng.integers(1, 60, size=n)
+    tgt = rng.integers(1, 60, size=n)
+    src[17], tgt[17] = 700, 3  # wider than the whole budget: must sit alone
+    tgt[42] = 900
+    return src, tgt
+
+
+MAX_TOKENS = 500
+
+
+def test_batches_cover_every_index_once(lengths):
+    src, tgt = lengths
+    batches = make_batches(src, tgt, MAX_TOKENS, seed=1, epoch=1)
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(len(src)))
+    assert all(len(b) > 0 for b in batches)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_batches_respect_token_budget(lengths, shuffle):
+    src, tgt = lengths
+    batches = make_batches(src, tgt, MAX_TOKENS, seed=3, epoch=2, shuffle=shuffle)
+    for b in batches:
+        width = max(int(src[b].max()), int(tgt[b].max())) + 1  # +1: EOS on the source, BOS/EOS on the target
+        assert len(b) == 1 or len(b) * width <= MAX_TOKENS, (len(b), width)
+    assert [b.tolist() for b in batches if 17 in b] == [[17]]
+    assert [b.tolist() for b in batches if 42 in b] == [[42]]
+    assert len(batches) < len(src) / 2  # length bucketing actually packs sentences together
+
+
+def test_batches_are_a_function_of_seed_and_epoch(lengths):
+    src, tgt = lengths
+    first = make_batches(src, tgt, MAX_TOKENS, seed=7, epoch=4)
+    again = make_batches(src, tgt, MAX_TOKENS, seed=7, epoch=4)
+    assert [b.tolist() for b in first] == [b.tolist() for b in again]
+    other_epoch = make_batches(src, tgt, MAX_TOKENS, seed=7, epoch=5)
+    assert np.concatenate(first).tolist() != np.concatenate(other_epoch).tolist()
+    other_seed = make_batches(src, tgt, MAX_TOKENS, seed=8, epoch=4)
+    assert np.concatenate(first).tolist() != np.concatenate(other_seed).tolist()
+
+
+def test_unshuffled_batches_are_sorted_by_length(lengths):
+    src, tgt = lengths
+    batches = make_batches(src, tgt, MAX_TOKENS, seed=1, epoch=1, shuffle=False)
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(len(src)))
+    keys = list(zip(tgt[flat].tolist(), src[flat].tolist()))  # by target, then source length
+    assert keys == sorted(keys)
+    again = make_batches(src, tgt, MAX_TOKENS, seed=2, epoch=9, shuffle=False)
+    assert [b.tolist() for b in batches] == [b.tolist() for b in again]
+
+
+def test_batches_of_a_tiny_corpus():
+    batches = make_batches(np.array([3]), np.array([4]), 100, seed=1, epoch=1)
+    assert [b.tolist() for b in batches] == [[0]]
+
+
+# --------------------------------------------------------------------------- collate
+
+
+def test_collate_shapes_and_special_tokens():
+    corpus = TokenizedCorpus.from_lists(
+        [[5, 6, 7], [8], [9, 10]],
+        [[11], [12, 13, 14, 15], [16, 17]],
+    )
+    batch = collate(corpus, [1, 0])  # order of the indices is the order of the rows
+    P = PAD
+    assert batch.src.tolist() == [[8, EOS, P, P], [5, 6, 7, EOS]]
+    assert batch.tgt_in.tolist() == [[BOS, 12, 13, 14, 15], [BOS, 11, P, P, P]]
+    assert batch.tgt_out.tolist() == [[12, 13, 14, 15, EOS], [11, EOS, P, P, P]]
+    assert batch.src.dtype == batch.tgt_in.dtype == batch.tgt_out.dtype == torch.long
+    assert batch.n_tgt_tokens == int((batch.tgt_out != PAD).sum()) == 7
+    assert batch.n_src_tokens == int((batch.src != PAD).sum()) == 6
+
+
+def test_collate_teacher_forcing_shift_on_a_real_sized_batch(lengths):
+    src_lens, tgt_lens = (x[:50] % 20 + 1 for x in lengths)
+    rng = np.random.default_rng(0)
+    corpus = TokenizedCorpus.from_lists([rng.integers(4, 50, n).tolist() for n in src_lens],
+                                        [rng.integers(4, 50, n).tolist() for n in tgt_lens])
+    idx = list(range(0, 50, 3))
+    batch = collate(corpus, idx)
+    B = len(idx)
+    assert batch.src.shape == (B, int(src_lens[idx].max()) + 1)
+    assert batch.tgt_in.shape == batch.tgt_out.shape == (B, int(tgt_lens[idx].max()) + 1)
+    assert (batch.tgt_in[:, 0] == BOS).all()
+    for row, i in enumerate(idx):
+        n = int(tgt_lens[i])
+        assert batch.tgt_out[row, n] == EOS and batch.src[row, int(src_lens[i])] == EOS
+        assert torch.equal(batch.tgt_in[row, 1:n + 1], batch.tgt_out[row, :n])
+    assert batch.n_tgt_tokens == int((batch.tgt_out != PAD).sum())
+    assert int((batch.tgt_in != PAD).sum()) == batch.n_tgt_tokens
+
+
+# --------------------------------------------------------------------------- tokenized cache
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    lines = sentences(300, seed=5)
+    upper = [s.upper() for s in lines]
+    small = train_tokenizer(TokenizerConfig(vocab_size=60), lines, upper)
+    large = train_tokenizer(TokenizerConfig(vocab_size=80), lines, upper)
+    assert small.digest != large.digest
+    return small, large
+
+
+def test_load_tokenized_caches_and_keys_on_tokenizer_and_file(tmp_path, monkeypatch, tokenizers):
+    tok_a, tok_b = tokenizers
+    src = sentences(30, seed=9)
+    src_path = write_text(tmp_path / "train.en", src)
+    write_text(tmp_path / "train.de", [s.upper() for s in src])
+    cfg = DataConfig(train=str(tmp_path / "train"))
+    cache = tmp_path / "cache"
+
+    reads = []
+    real_read_split = data.read_split
+    monkeypatch.setattr(data, "read_split", lambda *a, **k: reads.append(a) or real_read_split(*a, **k))
+
+    first = load_tokenized(cfg, "train", tok_a, cache)
+    assert len(reads) == 1
+    assert len(first) == 30
+    assert [first.src(i).tolist() for i in range(30)] == tok_a.encode_src(src)
+    assert [first.tgt(i).tolist() for i in range(30)] == tok_a.encode_tgt([s.upper() for s in src])
+
+    # Same corpus, same tokenizer: served from the cache, the corpus is not read again.
+    monkeypatch.setattr(data, "read_split", lambda *a, **k: pytest.fail("read the corpus despite the cache"))
+    second = load_tokenized(cfg, "train", tok_a, cache)
+    assert [second.src(i).tolist() for i in range(30)] == [first.src(i).tolist() for i in range(30)]
+    assert [second.tgt(i).tolist() for i in range(30)] == [first.tgt(i).tolist() for i in range(30)]
+    n_folders = len(list(cache.iterdir()))
+
+    # Another tokenizer: a new cache entry, tokenized with that tokenizer.
+    monkeypatch.setattr(data, "read_split", lambda *a, **k: reads.append(a) or real_read_split(*a, **k))
+    by_b = load_tokenized(cfg, "train", tok_b, cache)
+    assert len(reads) == 2
+    assert [by_b.src(i).tolist() for i in range(30)] == tok_b.encode_src(src)
+    assert len(list(cache.iterdir())) == n_folders + 1
+
+    # The file changes (one more pair): read again, and the new line is there.
+    write_text(src_path, src + ["the red cat"])
+    write_text(tmp_path / "train.de", [s.upper() for s in src] + ["THE RED CAT"])
+    changed = load_tokenized(cfg, "train", tok_a, cache)
+    assert len(reads) == 3
+    assert len(changed) == 31
+    assert changed.src(30).tolist() == tok_a.encode_src(["the red cat"])[0]
+
+
+def test_cache_key_changes_when_file_is_rewritten_with_same_size(tmp_path, tokenizers):
+    tok = tokenizers[0]
+    src_path = write_text(tmp_path / "train.en", ["the cat sat"])
+    write_text(tmp_path / "train.de", ["THE CAT SAT"])
+    cfg = DataConfig(train=str(tmp_path / "train"))
+    before = data.corpus_key(cfg, "train", tok)
+    assert data.corpus_key(cfg, "train", tok) == before
+    write_text(src_path, ["the dog sat"])  # same size, new content
+    st = src_path.stat()
+    os.utime(src_path, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    assert data.corpus_key(cfg, "train", tok) != before
+    corpus = load_tokenized(cfg, "train", tok, tmp_path / "cache")
+    assert corpus.src(0).tolist() == tok.encode_src(["the dog sat"])[0]
+
+
+def test_cache_is_per_split(tmp_path, tokenizers):
+    tok = tokenizers[0]
+    for split, text in (("train", "the cat"), ("valid", "the dog runs")):
+        write_text(tmp_path / f"{split}.en", [text])
+        write_text(tmp_path / f"{split}.de", [text.upper()])
+    cfg = DataConfig(train=str(tmp_path / "train"), valid=str(tmp_path / "valid"))
+    train = load_tokenized(cfg, "train", tok, tmp_path / "cache")
+    valid = load_tokenized(cfg, "valid", tok, tmp_path / "cache")
+    assert train.src(0).tolist() == tok.encode_src(["the cat"])[0]
+    assert valid.src(0).tolist() == tok.encode_src(["the dog runs"])[0]
+
+
+def test_load_tokenized_empty_corpus_is_an_error(tmp_path, tokenizers):
+    (tmp_path / "train.en").write_text("")
+    (tmp_path / "train.de").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        load_tokenized(DataConfig(train=str(tmp_path / "train")), "train", tokenizers[0], tmp_path / "cache")

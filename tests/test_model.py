@@ -1,0 +1,214 @@
+"""Our model is the paper's: equal to PyTorch's reference modules given the same weights."""
+
+import pytest
+import torch
+from torch import nn
+
+from transformer_mt.config import ModelConfig
+from transformer_mt.model import MultiHeadAttention, Transformer, causal_mask, padding_mask
+from transformer_mt.tokenizer import BOS, PAD
+
+D, H, FF, V = 32, 4, 64, 50
+
+
+def small_cfg(**kw) -> ModelConfig:
+    base = dict(d_model=D, heads=H, encoder_layers=2, decoder_layers=2, d_ff=FF, dropout=0.0, max_positions=64)
+    return ModelConfig(**{**base, **kw})
+
+
+def random_ids(B, T, lens, generator):
+    """(B, T) ids in [4, V) with PAD after each row's length."""
+    ids = torch.randint(4, V, (B, T), generator=generator)
+    for b, n in enumerate(lens):
+        ids[b, n:] = PAD
+    return ids
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def copy_into_reference(ours: MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
+    with torch.no_grad():
+        if ours.cross:
+            ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
+            ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.kv_proj.bias]))
+        else:
+            ref.in_proj_weight.copy_(ours.qkv_proj.weight)
+            ref.in_proj_bias.copy_(ours.qkv_proj.bias)
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+        ref.out_proj.bias.copy_(ours.out_proj.bias)
+
+
+@pytest.mark.parametrize("use_padding", [False, True])
+@pytest.mark.parametrize("use_causal", [False, True])
+def test_self_attention_matches_nn_multihead_attention(gen, use_padding, use_causal):
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(D, H).eval()
+    ref = nn.MultiheadAttention(D, H, batch_first=True).eval()
+    copy_into_reference(ours, ref)
+    B, T = 3, 7
+    x = torch.randn(B, T, D, generator=gen)
+    ids = random_ids(B, T, [7, 5, 3] if use_padding else [7, 7, 7], gen)
+    mask = padding_mask(ids)  # (B, 1, 1, T), True = attend
+    if use_causal:
+        mask = mask & causal_mask(T)
+    ref_out, _ = ref(x, x, x, key_padding_mask=(ids == PAD) if use_padding else None,
+                     attn_mask=~causal_mask(T) if use_causal else None, need_weights=False)
+    out, _ = ours(x, mask=mask)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+
+
+def test_cross_attention_matches_nn_multihead_attention(gen):
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(D, H, cross=True).eval()
+    ref = nn.MultiheadAttention(D, H, batch_first=True).eval()
+    copy_into_reference(ours, ref)
+    x, memory = torch.randn(2, 4, D, generator=gen), torch.randn(2, 6, D, generator=gen)
+    src = random_ids(2, 6, [6, 2], gen)
+    ref_out, _ = ref(x, memory, memory, key_padding_mask=src == PAD, need_weights=False)
+    out, _ = ours(x, mask=padding_mask(src), memory=memory)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- whole stacks
+
+
+def reference_transformer(model: Transformer, norm: str) -> nn.Transformer:
+    """nn.Transformer with our weights; the paper's post-norm stack has no final LayerNorm."""
+    cfg = model.cfg
+    ref = nn.Transformer(cfg.d_model, cfg.heads, cfg.encoder_layers, cfg.decoder_layers, cfg.d_ff, dropout=0.0,
+                         batch_first=True, norm_first=norm == "pre").eval()
+    with torch.no_grad():
+        for o, r in zip(model.encoder.layers, ref.encoder.layers):
+            copy_into_reference(o.self_attn, r.self_attn)
+            for a, b in ((o.ff.w1, r.linear1), (o.ff.w2, r.linear2), (o.norm1, r.norm1), (o.norm2, r.norm2)):
+                b.load_state_dict(a.state_dict())
+        for o, r in zip(model.decoder.layers, ref.decoder.layers):
+            copy_into_reference(o.self_attn, r.self_attn)
+            copy_into_reference(o.cross_attn, r.multihead_attn)
+            for a, b in ((o.ff.w1, r.linear1), (o.ff.w2, r.linear2), (o.norm1, r.norm1), (o.norm2, r.norm2),
+                         (o.norm3, r.norm3)):
+                b.load_state_dict(a.state_dict())
+        if norm == "pre":
+            ref.encoder.norm.load_state_dict(model.encoder.norm.state_dict())
+            ref.decoder.norm.load_state_dict(model.decoder.norm.state_dict())
+        else:
+            ref.encoder.norm, ref.decoder.norm = nn.Identity(), nn.Identity()
+    return ref
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_encoder_decoder_matches_nn_transformer(gen, norm):
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(norm=norm), V, V, joint_vocab=True).eval()
+    # Perturb the LayerNorm parameters so that copying them is actually tested.
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    ref = reference_transformer(model, norm)
+    B, S, T = 3, 9, 6
+    src_ids = random_ids(B, S, [9, 6, 2], gen)
+    x, y = torch.randn(B, S, D, generator=gen), torch.randn(B, T, D, generator=gen)
+    # Grad mode on keeps nn.Transformer off its fused fast path, which zeroes padded rows.
+    memory = model.encoder(x, padding_mask(src_ids))
+    ref_memory = ref.encoder(x, src_key_padding_mask=src_ids == PAD)
+    real = src_ids != PAD
+    torch.testing.assert_close(memory[real], ref_memory[real], atol=1e-5, rtol=1e-5)
+    out = model.decoder(y, memory, padding_mask(src_ids))
+    ref_out = ref.decoder(y, memory, tgt_mask=~causal_mask(T), memory_key_padding_mask=src_ids == PAD)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+
+
+def test_parameter_count_matches_formula():
+    """3+3 layers, d 256, FFN 1024, pre-norm, joint tied vocab of 8001: the peers' kit counts 7,578,880."""
+    cfg = ModelConfig(d_model=256, heads=4, encoder_layers=3, decoder_layers=3, d_ff=1024, norm="pre")
+    assert Transformer(cfg, 8001, 8001, joint_vocab=True).num_parameters() == 7_578_880
+
+
+def test_tied_embeddings_share_one_matrix():
+    model = Transformer(small_cfg(), V, V, joint_vocab=True)
+    assert model.src_embed.lut.weight is model.tgt_embed.lut.weight is model.generator.weight
+    separate = Transformer(small_cfg(), V, V + 7, joint_vocab=False)
+    assert separate.src_embed.lut.weight is not separate.tgt_embed.lut.weight
+    assert separate.tgt_embed.lut.weight is separate.generator.weight
+    untied = Transformer(small_cfg(tie_embeddings=False), V, V, joint_vocab=True)
+    assert untied.generator.weight is not untied.tgt_embed.lut.weight
+
+
+def test_embeddings_are_scaled_and_positions_sinusoidal():
+    model = Transformer(small_cfg(), V, V, joint_vocab=True)
+    ids = torch.tensor([[5, 6]])
+    torch.testing.assert_close(model.src_embed(ids), model.src_embed.lut(ids) * D**0.5)
+    pe = model.pos.pe
+    # PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))
+    for pos, i in ((0, 0), (3, 0), (7, 5), (20, 15)):
+        angle = torch.tensor(pos / 10000 ** (2 * i / D))
+        torch.testing.assert_close(pe[pos, 2 * i], torch.sin(angle))
+        torch.testing.assert_close(pe[pos, 2 * i + 1], torch.cos(angle))
+
+
+# --------------------------------------------------------------------------- decoding and padding
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_kv_cache_matches_full_forward_at_every_step(gen, norm):
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(norm=norm), V, V, joint_vocab=True).eval()
+    src = random_ids(3, 8, [8, 5, 2], gen)
+    tgt_in = torch.cat([torch.full((3, 1), BOS), random_ids(3, 6, [6, 6, 6], gen)], dim=1)  # (3, 7)
+    with torch.no_grad():
+        full = torch.log_softmax(model(src, tgt_in), dim=-1)  # (3, 7, V)
+        memory, src_mask = model.encode(src)
+        cache = model.new_cache()
+        for t in range(tgt_in.size(1)):
+            step = model.decode_step(tgt_in[:, t:t + 1], memory, src_mask, cache)  # (3, V)
+            torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
+        assert cache.length == tgt_in.size(1)
+
+
+def test_kv_cache_reorder_follows_rows(gen):
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(), V, V, joint_vocab=True).eval()
+    src = random_ids(3, 5, [5, 4, 3], gen)
+    tgt_in = torch.cat([torch.full((3, 1), BOS), random_ids(3, 3, [3, 3, 3], gen)], dim=1)
+    index = torch.tensor([2, 0, 0])  # reorder and duplicate, as beam search does
+    with torch.no_grad():
+        full = torch.log_softmax(model(src[index], tgt_in[index]), dim=-1)
+        memory, src_mask = model.encode(src)
+        cache = model.new_cache()
+        model.decode_step(tgt_in[:, :1], memory, src_mask, cache)
+        cache.reorder(index)
+        memory, src_mask = memory[index], src_mask[index]
+        for t in range(1, tgt_in.size(1)):
+            step = model.decode_step(tgt_in[index, t:t + 1], memory, src_mask, cache)
+            torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_does_not_change_outputs(gen):
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(), V, V, joint_vocab=True).eval()
+    src = random_ids(2, 9, [9, 4], gen)
+    tgt_in = torch.cat([torch.full((2, 1), BOS), random_ids(2, 7, [7, 3], gen)], dim=1)  # row 1: 4 real
+    with torch.no_grad():
+        batched = model(src, tgt_in)
+        alone = model(src[1:, :4], tgt_in[1:, :4])
+        torch.testing.assert_close(batched[1, :4], alone[0], atol=1e-5, rtol=1e-5)
+        # Other ids under the target padding: causality keeps the real positions unchanged.
+        noisy = tgt_in.clone()
+        noisy[1, 4:] = torch.randint(4, V, (4,), generator=gen)
+        torch.testing.assert_close(model(src, noisy)[1, :4], batched[1, :4], atol=1e-6, rtol=1e-6)
+        # Other vectors under the source padding (mask unchanged): real encoder outputs unchanged.
+        x = torch.randn(2, 9, D, generator=gen)
+        mask = padding_mask(src)
+        x2 = x.clone()
+        x2[1, 4:] = torch.randn(5, D, generator=gen) * 10
+        real = src != PAD
+        torch.testing.assert_close(model.encoder(x2, mask)[real], model.encoder(x, mask)[real],
+                                   atol=1e-5, rtol=1e-5)
