@@ -2,11 +2,13 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.config import config_from_dict
-from transformer_mt.data import read_split
+from transformer_mt.data import collate, read_split
 from transformer_mt.tokenizer import PAD
 from transformer_mt.train import Trainer, label_smoothed_loss, noam
 from transformer_mt.translate import Translator
@@ -84,3 +86,38 @@ def test_tiny_copy_task_is_learned_exactly(tmp_path):
     hyps = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate(sources, beam=1)
     exact = sum(h == r for h, r in zip(hyps, references)) / len(references)
     assert exact == 1.0, [(h, r) for h, r in zip(hyps, references) if h != r][:5]
+
+
+def test_accumulated_update_equals_one_big_batch(tmp_path):
+    """Two micro-batches with accumulate=2 give the same update as their union in one batch:
+    the loss is normalised by the step's target tokens, and padding changes nothing."""
+    write_copy_corpus(tmp_path, n_train=200)
+    trainer = Trainer(tiny_config(tmp_path, clip_norm=0.0))
+    # Plain SGD (lr 1) makes the update the gradient itself; Adam's first step is about sign(g),
+    # which would amplify rounding noise in near-zero gradients.
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
+    first, second = trainer.epoch_batches(1)[:2]
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train_step([collate(trainer.train_data, first), collate(trainer.train_data, second)])
+    accumulated = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    other = Trainer(tiny_config(tmp_path, clip_norm=0.0))
+    other.model.load_state_dict(start)
+    other.optimizer = torch.optim.SGD(other.model.parameters(), lr=1.0)
+    other.train_step([collate(other.train_data, np.concatenate([first, second]))])
+    for k, v in other.model.state_dict().items():
+        torch.testing.assert_close(v, accumulated[k], atol=1e-6, rtol=1e-5)
+    assert any(not torch.equal(start[k], accumulated[k]) for k in start)
+
+
+def test_separate_bpe_vocabularies_train_and_reload(tmp_path):
+    write_copy_corpus(tmp_path, n_train=200)
+    cfg = config_from_dict({**tiny_config(tmp_path, max_steps=2, valid_every=2).to_dict(),
+                            "tokenizer": {"type": "bpe", "joint": False, "vocab_size": 40}})
+    Trainer(cfg).train()
+    run = tmp_path / "run"
+    assert (run / "spm.src.model").exists() and (run / "spm.tgt.model").exists()
+    model, tokenizer, _, _ = load_for_inference(run / "checkpoints" / "last.pt")
+    assert not tokenizer.joint
+    assert model.src_embed.lut.weight is not model.tgt_embed.lut.weight
+    assert model.tgt_embed.lut.weight is model.generator.weight

@@ -26,7 +26,7 @@ class Tokenizer:
     def __init__(self, src_model: bytes, tgt_model: bytes | None = None):
         self.src_bytes = src_model
         self.tgt_bytes = tgt_model if tgt_model is not None else src_model
-        self.joint = tgt_model is None or tgt_model == src_model
+        self.joint = tgt_model is None
         self.src = spm.SentencePieceProcessor(model_proto=self.src_bytes)
         self.tgt = self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_bytes)
 
