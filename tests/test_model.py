@@ -212,3 +212,14 @@ def test_padding_does_not_change_outputs(gen):
         real = src != PAD
         torch.testing.assert_close(model.encoder(x2, mask)[real], model.encoder(x, mask)[real],
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_logits_at_positions_equal_full_logits(gen):
+    model = Transformer(small_cfg(), V, V, joint_vocab=True).eval()
+    src = random_ids(2, 6, [6, 3], gen)
+    tgt_in = random_ids(2, 5, [5, 2], gen)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6])  # row 0: t 0-4; row 1: t 0-1 (flat b*T + t)
+    with torch.no_grad():
+        full = model(src, tgt_in)  # (2, 5, V)
+        picked = model(src, tgt_in, positions)  # (7, V)
+    torch.testing.assert_close(picked, torch.cat([full[0], full[1, :2]]), atol=1e-5, rtol=1e-5)

@@ -278,10 +278,18 @@ class Transformer(nn.Module):
             cache.length += tgt_in.size(1)
         return h
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits (B, T, V) for training."""
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, positions: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """Teacher-forced logits: (B, T, V), or (N, V) for the flat (b*T + t) `positions` only.
+
+        Training passes the positions of real target tokens, so the largest matrix multiply
+        (d_model x vocabulary) skips the padding.
+        """
         memory, src_mask = self.encode(src)
-        return self.generator(self.decode(tgt_in, memory, src_mask))
+        h = self.decode(tgt_in, memory, src_mask)  # (B, T, d)
+        if positions is not None:
+            h = h.flatten(0, 1).index_select(0, positions)  # (N, d)
+        return self.generator(h)
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.decoder.layers))

@@ -41,7 +41,7 @@ def noam(step: int, d_model: int, warmup: int, factor: float) -> float:
 
 
 def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """Summed label-smoothed cross-entropy over non-padding targets (Sec. 5.4). logits (B, T, V)."""
+    """Summed label-smoothed cross-entropy over non-padding targets (Sec. 5.4). logits (..., V)."""
     V = logits.size(-1)
     return F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=PAD,
                            label_smoothing=smoothing, reduction="sum")
@@ -212,8 +212,8 @@ class Trainer:
         for batch in micro:
             batch = batch.to(self.device)
             with self.autocast():
-                logits = self.model(batch.src, batch.tgt_in)  # (B, T, V)
-            loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
+                logits = self.model(batch.src, batch.tgt_in, batch.positions)  # (N, V): real tokens only
+            loss = label_smoothed_loss(logits, batch.targets, tc.label_smoothing)
             self.scaler.scale(loss / n_tokens).backward()
             total += loss.detach()
         if tc.clip_norm > 0:
@@ -236,8 +236,8 @@ class Trainer:
                               self.cfg.train.max_tokens, seed=0, epoch=0, shuffle=False):
             batch = collate(self.valid_data, self.valid_idx[b]).to(self.device)
             with self.autocast():
-                logits = self.model(batch.src, batch.tgt_in)
-            total += label_smoothed_loss(logits, batch.tgt_out, 0.0)
+                logits = self.model(batch.src, batch.tgt_in, batch.positions)
+            total += label_smoothed_loss(logits, batch.targets, 0.0)
             tokens += batch.n_tgt_tokens
         self.model.train()
         return total.item() / max(tokens, 1)
