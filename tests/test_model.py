@@ -223,3 +223,21 @@ def test_logits_at_positions_equal_full_logits(gen):
         full = model(src, tgt_in)  # (2, 5, V)
         picked = model(src, tgt_in, positions)  # (7, V)
     torch.testing.assert_close(picked, torch.cat([full[0], full[1, :2]]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_drops_at_its_rate_and_keeps_the_mean(p):
+    from transformer_mt.model import Dropout
+
+    drop = Dropout(p).train()
+    x = torch.ones(400, 500)
+    torch.manual_seed(0)
+    y = drop(x)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - p) < 0.01  # the rate is rounded to k/256: within 0.002 of p, plus sampling noise
+    assert abs(y.mean().item() - 1.0) < 0.01  # inverted dropout keeps the expectation
+    values = torch.unique(y).tolist()
+    assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(1 / (1 - drop.threshold / 256))
+    torch.manual_seed(0)
+    assert torch.equal(drop(x), y)  # reproducible from torch's seed
+    assert torch.equal(drop.eval()(x), x)

@@ -35,6 +35,33 @@ def causal_mask(T: int, device: torch.device | None = None) -> torch.Tensor:
 # --------------------------------------------------------------------------- building blocks
 
 
+class Dropout(nn.Module):
+    """Inverted dropout. On CPU the mask comes from four random bytes per 32-bit draw: torch's CPU
+    generator makes one draw per element in F.dropout, which costs more than the rest of dropout.
+
+    The drop rate is rounded to k/256 (0.1 -> 26/256) and the kept values are scaled to match it.
+    """
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.threshold = min(255, round(p * 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu":
+            return F.dropout(x, self.p, training=True)
+        n = x.numel()
+        words = torch.randint(-2**31, 2**31 - 1, ((n + 3) // 4,), dtype=torch.int32, device=x.device)
+        keep = words.view(torch.uint8)[:n].view(x.shape) >= self.threshold  # P(keep) = 1 - k/256
+        return x * keep * (256.0 / (256 - self.threshold))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+
 class Embeddings(nn.Module):
     """Token embeddings multiplied by sqrt(d_model) (Sec. 3.4)."""
 
@@ -126,7 +153,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff)
         self.w2 = nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.dropout(F.relu(self.w1(x))))
@@ -140,7 +167,7 @@ class EncoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
         self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -162,7 +189,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, cross=True)
         self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
@@ -251,7 +278,7 @@ class Transformer(nn.Module):
         share_src_tgt = cfg.tie_embeddings and joint_vocab
         self.tgt_embed = self.src_embed if share_src_tgt else Embeddings(tgt_vocab_size, cfg.d_model)
         self.pos = PositionalEncoding(cfg.d_model, cfg.max_positions)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         self.generator = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
