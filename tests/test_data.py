@@ -272,7 +272,7 @@ def test_unshuffled_batches_are_sorted_by_length(lengths):
     batches = make_batches(src, tgt, MAX_TOKENS, seed=1, epoch=1, shuffle=False)
     flat = np.concatenate(batches)
     assert sorted(flat.tolist()) == list(range(len(src)))
-    keys = list(zip(tgt[flat].tolist(), src[flat].tolist()))  # by target, then source length
+    keys = list(zip(np.maximum(src, tgt)[flat].tolist(), src[flat].tolist()))  # by longer side, then source
     assert keys == sorted(keys)
     again = make_batches(src, tgt, MAX_TOKENS, seed=2, epoch=9, shuffle=False)
     assert [b.tolist() for b in batches] == [b.tolist() for b in again]

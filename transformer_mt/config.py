@@ -126,6 +126,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    compile: bool = False  # torch.compile the model for training (checkpoints stay loadable without it)
 
     def __post_init__(self) -> None:
         for key in ("max_tokens", "accumulate", "max_steps", "max_epochs", "warmup", "log_every",

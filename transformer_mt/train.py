@@ -99,6 +99,9 @@ class Trainer:
 
         self.model: Transformer = build_model(cfg.model, self.tokenizer.src_vocab_size,
                                               self.tokenizer.tgt_vocab_size, self.tokenizer.joint).to(self.device)
+        # torch.compile wraps the module for the training forward only; checkpoints take the state dict
+        # of the plain module, so they load without compilation.
+        self.forward = torch.compile(self.model, dynamic=True) if tc.compile else self.model
         fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=tc.adam_betas, eps=tc.adam_eps,
                                           weight_decay=tc.weight_decay, **fused)
@@ -212,7 +215,7 @@ class Trainer:
         for batch in micro:
             batch = batch.to(self.device)
             with self.autocast():
-                logits = self.model(batch.src, batch.tgt_in, batch.positions)  # (N, V): real tokens only
+                logits = self.forward(batch.src, batch.tgt_in, batch.positions)  # (N, V): real tokens only
             loss = label_smoothed_loss(logits, batch.targets, tc.label_smoothing)
             self.scaler.scale(loss / n_tokens).backward()
             total += loss.detach()

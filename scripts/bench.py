@@ -1,0 +1,386 @@
+"""`make bench`: training and decoding speed, side by side with the peers, into BENCHMARKS.md + bench.json.
+
+Measured in one run on one machine (these machines are shared and noisy: read the ratios):
+  - the matmul ceiling (fp32, bf16) on the model's shapes;
+  - training target tokens/s of ours (fp32, bf16 autocast) and of a plain torch.nn.Transformer loop
+    (fp32, bf16) on the *same* batches, interleaved over several rounds, medians of 10-step windows;
+  - fairseq and JoeyNMT through ../shared/peers (skipped with a message when the kit is absent);
+  - tokens/s against batch size, and decoding cost per token against output length (KV cache);
+  - beam-4 decoding of test_2016_flickr by ours and fairseq-generate, when both have a model trained
+    for the same budget (`make bench-quality` trains them).
+
+usage: python scripts/bench.py [--rounds 2] [--steps 30] [--no-peers] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from transformer_mt.config import config_from_dict  # noqa: E402
+from transformer_mt.data import Batch, collate, make_batches  # noqa: E402
+from transformer_mt.tokenizer import PAD  # noqa: E402
+from transformer_mt.train import Trainer, label_smoothed_loss  # noqa: E402
+
+SHARED = ROOT.parent / "shared"
+MULTI30K = SHARED / "data" / "multi30k"
+PEERS_KIT = SHARED / "peers"
+PEERS_DIR = ROOT / ".peers"
+BENCH_RUN = ROOT / "runs" / "bench"
+
+# The peers' model: 3+3 layers, d 256, 4 heads, FFN 1024, pre-norm, all embeddings tied, dropout 0.1
+# everywhere, Adam (0.9, 0.98), warm-up 200 to a 1e-3 peak (Noam factor 1e-3 * sqrt(256 * 200)).
+BENCH_CONFIG = {
+    "data": {"src_lang": "en", "tgt_lang": "de", "train": str(MULTI30K / "train"), "valid": str(MULTI30K / "val"),
+             "test": str(MULTI30K / "test_2016_flickr"), "max_len": 128},
+    "tokenizer": {"type": "unigram", "vocab_size": 8000, "joint": True},
+    "model": {"d_model": 256, "heads": 4, "encoder_layers": 3, "decoder_layers": 3, "d_ff": 1024, "norm": "pre",
+              "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1, "tie_embeddings": True},
+    "train": {"max_tokens": 4096, "warmup": 200, "lr_factor": 1e-3 * math.sqrt(256 * 200), "clip_norm": 0.0,
+              "seed": 42, "threads": 2, "valid_bleu": False},
+    "decode": {"beam": 4, "alpha": 1.0, "max_len_a": 1.2, "max_len_b": 10},
+    "output_dir": str(BENCH_RUN),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- FLOPs and the matmul ceiling
+
+
+def batch_flops(batch: Batch, d: int, ff: int, layers: tuple[int, int], vocab: int) -> float:
+    """Model FLOPs of one training step on a batch, counting real (non-pad) tokens only.
+
+    Forward: 2 FLOPs per multiply-add of every weight matrix a token meets, plus attention scores and
+    weighted sums (causal self-attention counts the lower triangle); training = 3 x forward.
+    """
+    enc, dec = layers
+    s_len = (batch.src != PAD).sum(1).double()  # (B,) with EOS
+    t_len = (batch.tgt_out != PAD).sum(1).double()
+    S, T = s_len.sum().item(), t_len.sum().item()
+    fwd = enc * (S * (8 * d * d + 4 * d * ff) + (4 * d * s_len**2).sum().item())
+    fwd += dec * (T * (12 * d * d + 4 * d * ff) + S * 4 * d * d
+                  + (2 * d * t_len * (t_len + 1)).sum().item() + (4 * d * t_len * s_len).sum().item())
+    fwd += T * 2 * d * vocab
+    return 3 * fwd
+
+
+def matmul_peak(seconds: float) -> dict[str, float]:
+    """Sustained torch.mm GFLOP/s (max over the model's shapes), fp32 and bf16."""
+    shapes = [(4096, 256, 1024), (4096, 1024, 256), (4096, 256, 768), (4096, 256, 256), (4096, 256, 8000)]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        best = 0.0
+        for m, k, n in shapes:
+            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+            for _ in range(3):
+                torch.mm(a, b)
+            it, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                torch.mm(a, b)
+                it += 1
+            best = max(best, 2.0 * m * k * n * it / (time.perf_counter() - t0) / 1e9)
+        out["fp32" if dtype == torch.float32 else "bf16"] = round(best, 1)
+    return out
+
+
+# --------------------------------------------------------------------------- the plain-PyTorch reference
+
+
+class Reference(nn.Module):
+    """The peers' plain loop: torch.nn.Transformer (pre-norm) with one shared embedding, sinusoidal
+    positions and a tied output projection, dropout 0.1 — as ../shared/peers/torch_reference.py."""
+
+    def __init__(self, vocab: int, d=256, h=4, layers=3, ff=1024, p=0.1):
+        super().__init__()
+        self.d = d
+        self.emb = nn.Embedding(vocab, d, padding_idx=PAD)
+        nn.init.normal_(self.emb.weight, 0, d**-0.5)
+        self.tf = nn.Transformer(d, h, layers, layers, ff, p, batch_first=True, norm_first=True)
+        self.drop = nn.Dropout(p)
+        pos = torch.arange(1024).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
+        pe = torch.zeros(1024, d)
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
+        self.register_buffer("pe", pe)
+
+    def forward(self, src, tgt_in):
+        def embed(x):
+            return self.drop(self.emb(x) * math.sqrt(self.d) + self.pe[: x.size(1)])
+
+        T = tgt_in.size(1)
+        causal = torch.triu(torch.full((T, T), float("-inf")), 1)
+        h = self.tf(embed(src), embed(tgt_in), tgt_mask=causal, src_key_padding_mask=src == PAD,
+                    tgt_key_padding_mask=tgt_in == PAD, memory_key_padding_mask=src == PAD)
+        return h @ self.emb.weight.t()
+
+
+def reference_step_fn(vocab: int, bf16: bool):
+    torch.manual_seed(42)
+    model = Reference(vocab).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+
+    def step(batch: Batch) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(batch.src, batch.tgt_in)
+        loss = label_smoothed_loss(logits, batch.tgt_out, 0.1)
+        opt.zero_grad(set_to_none=True)
+        (loss / batch.n_tgt_tokens).backward()
+        opt.step()
+
+    return step
+
+
+def ours_step_fn(trainer_cfg, precision: str):
+    cfg = config_from_dict({**trainer_cfg, "train": {**trainer_cfg["train"], "precision": precision}})
+    trainer = Trainer(cfg)
+
+    def step(batch: Batch) -> None:
+        trainer.train_step([batch])
+
+    return step, trainer
+
+
+def time_windows(step, batches: list[Batch], warmup: int, window: int = 10) -> list[float]:
+    """Target tokens/s of consecutive `window`-step windows after `warmup` untimed steps.
+
+    Collation is done beforehand for both sides alike; the loss is read once per window.
+    """
+    for b in batches[:warmup]:
+        step(b)
+    speeds = []
+    timed = batches[warmup:]
+    for i in range(0, len(timed) - window + 1, window):
+        chunk = timed[i:i + window]
+        t0 = time.perf_counter()
+        for b in chunk:
+            step(b)
+        speeds.append(sum(b.n_tgt_tokens for b in chunk) / (time.perf_counter() - t0))
+    return speeds
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def run_peer(script: str, *args: str, timeout: int = 1800) -> dict[str, str] | None:
+    """Run one of the kit's scripts from the project root; return its RESULT line as a dict."""
+    cmd = ["bash", str(PEERS_KIT / script), *args]
+    log(" ".join(cmd))
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"{script} timed out")
+        return None
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        log(f"{script} failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
+        return None
+    return dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
+
+
+def peers_ready() -> bool:
+    return PEERS_KIT.is_dir() and (PEERS_DIR / "data" / ".prepared").exists()
+
+
+# --------------------------------------------------------------------------- scaling
+
+
+def decode_cost_by_length(trainer: Trainer, lengths: list[int], batch: int = 16) -> list[dict]:
+    """Milliseconds per generated token when forcing outputs of each length, with the KV cache."""
+    model = trainer.model.eval()
+    src = torch.randint(4, trainer.tokenizer.src_vocab_size, (batch, 20))
+    rows = []
+    with torch.inference_mode():
+        memory, mask = model.encode(src)
+        for n in lengths:
+            cache = model.new_cache()
+            tok = torch.full((batch, 1), 2)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                logp = model.decode_step(tok, memory, mask, cache)
+                tok = logp.argmax(-1, keepdim=True)
+            dt = time.perf_counter() - t0
+            rows.append({"length": n, "ms_per_token": round(1000 * dt / n, 3), "seconds": round(dt, 3)})
+    model.train()
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def write_report(res: dict, path: Path) -> None:
+    t = res["training"]
+    peak = res["matmul_gflops"]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Written by `make bench` (`scripts/bench.py`) on {res['date']}: {res['machine']}, torch {res['torch']}, "
+        f"{res['threads']} threads. Figures drift between runs on these shared machines: compare the ratios, "
+        "which come from one run with every contender on the same batches.",
+        "",
+        "## Training throughput (Multi30k En→De, the peers' model)",
+        "",
+        f"Model: 3+3 layers, d_model 256, 4 heads, FFN 1024, pre-norm, tied joint 8k SentencePiece vocabulary, "
+        f"dropout 0.1 (residual, attention, activation). Batches: ~4,096 tokens (sentences × longest side), "
+        f"length-bucketed; padding {res['padding']['src']:.1%} of source and {res['padding']['tgt']:.1%} of target "
+        f"positions. {res['steps']} timed steps after {res['warmup']} warm-up, windows of 10, "
+        f"{res['rounds']} interleaved rounds; the figure is the median window.",
+        "",
+        "| contender | target tok/s | × plain nn.Transformer fp32 | × fairseq | × JoeyNMT | model GFLOP/s | MFU (bf16 peak) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    ref = t.get("reference_fp32", {}).get("tok_s")
+    fs = res.get("peers", {}).get("fairseq", {}).get("tok_s")
+    jy = res.get("peers", {}).get("joey", {}).get("tok_s")
+    rows = [(k, v) for k, v in t.items()] + [(f"peer_{k}", v) for k, v in res.get("peers", {}).items()]
+    for name, v in rows:
+        tok = v.get("tok_s")
+        if tok is None:
+            continue
+        gf = tok * res["flops_per_tgt_token"] / 1e9
+        lines.append(f"| {name} | {tok:,.0f} | {_ratio(tok, ref)} | {_ratio(tok, fs)} | {_ratio(tok, jy)} | "
+                     f"{gf:,.0f} | {gf / peak['bf16']:.0%} |")
+    lines += [
+        "",
+        f"Matmul ceiling measured in the same run (torch.mm, max over the model's shapes): fp32 {peak['fp32']:,.0f}, "
+        f"bf16 {peak['bf16']:,.0f} GFLOP/s. FLOPs: {res['flops_per_tgt_token'] / 1e6:.1f} M per target token, "
+        "counted on real tokens (2 per multiply-add of each weight matrix a token meets, plus attention "
+        "scores and sums, the causal half for decoder self-attention; training = 3 × forward; "
+        "`batch_flops` in scripts/bench.py). Peers: the kit's `train_throughput.sh` (their own batches of the "
+        "same size and data), median window." if res.get("peers") else "",
+        "",
+        f"Peak RSS of the bench process: {res['peak_rss_mb']:,.0f} MiB.",
+        "",
+        "## Tokens/s against batch size (ours, bf16)",
+        "",
+        "| max_tokens | target tok/s | sentences/batch |",
+        "| ---: | ---: | ---: |",
+    ]
+    for row in res["batch_scaling"]:
+        lines.append(f"| {row['max_tokens']:,} | {row['tok_s']:,.0f} | {row['sentences']:.0f} |")
+    lines += [
+        "",
+        "## Decoding cost against output length (KV cache, 16 sentences, greedy, forced length)",
+        "",
+        "| output tokens | ms per decoding step | total s |",
+        "| ---: | ---: | ---: |",
+    ]
+    for row in res["decode_scaling"]:
+        lines.append(f"| {row['length']} | {row['ms_per_token']:.2f} | {row['seconds']:.2f} |")
+    lines += ["", "The cost per step stays flat as the output grows: each step attends over cached keys and "
+              "values instead of re-running the prefix.", ""]
+    if res.get("decoding"):
+        lines += ["## Beam-4 decoding of test_2016_flickr (1,000 sentences)", "",
+                  "| contender | sentences/s | BLEU | signature |", "| --- | ---: | ---: | --- |"]
+        for name, v in res["decoding"].items():
+            lines.append(f"| {name} | {v['sent_s']:.1f} | {v.get('bleu', '')} | {v.get('signature', '')} |")
+        lines.append("")
+    for note in res.get("notes", []):
+        lines.append(f"- {note}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}×" if a and b else "–"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every contender")
+    ap.add_argument("--steps", type=int, default=30, help="timed training steps per contender and round")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
+    ap.add_argument("--peer-updates", type=int, default=60, help="updates for each peer's throughput run")
+    ap.add_argument("--no-peers", action="store_true", help="skip fairseq and JoeyNMT")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 10 steps, no peers")
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--json", default=str(ROOT / "bench.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.no_peers = 1, 10, 2, True
+    torch.set_num_threads(2)
+    if not (MULTI30K / "train.en.gz").exists():
+        log(f"skipped: the benchmark corpus {MULTI30K} is not here (it ships in ../shared)")
+        return 0
+
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+                 "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
+                 "steps": args.steps, "warmup": args.warmup, "notes": []}
+    log("matmul ceiling")
+    res["matmul_gflops"] = matmul_peak(0.5 if args.quick else 1.5)
+
+    log("building ours (tokenizer and cached corpus under runs/bench)")
+    step_fp32, trainer = ours_step_fn(BENCH_CONFIG, "fp32")
+    step_bf16, _ = ours_step_fn(BENCH_CONFIG, "bf16")
+    vocab = trainer.tokenizer.tgt_vocab_size
+    need = args.warmup + args.steps
+    batches = [collate(trainer.train_data, b) for b in trainer.epoch_batches(1)[:need]]
+    real_s = sum(b.n_src_tokens for b in batches)
+    real_t = sum(b.n_tgt_tokens for b in batches)
+    res["padding"] = {"src": 1 - real_s / sum(b.src.numel() for b in batches),
+                      "tgt": 1 - real_t / sum(b.tgt_out.numel() for b in batches)}
+    flops = sum(batch_flops(b, 256, 1024, (3, 3), vocab) for b in batches)
+    res["flops_per_tgt_token"] = flops / real_t
+    contenders = {"ours_fp32": step_fp32, "ours_bf16": step_bf16,
+                  "reference_fp32": reference_step_fn(vocab, False), "reference_bf16": reference_step_fn(vocab, True)}
+    windows: dict[str, list[float]] = {k: [] for k in contenders}
+    for r in range(args.rounds):
+        for name, step in contenders.items():
+            log(f"round {r + 1}/{args.rounds}: {name}")
+            windows[name] += time_windows(step, batches, args.warmup)
+    res["training"] = {k: {"tok_s": statistics.median(v), "windows": [round(x) for x in v]}
+                       for k, v in windows.items()}
+
+    log("tokens/s against batch size")
+    res["batch_scaling"] = []
+    tr_idx = trainer.train_idx
+    for mt in (1024, 2048, 4096, 8192, 16384):
+        order = make_batches(trainer.train_data.src_lens[tr_idx], trainer.train_data.tgt_lens[tr_idx], mt,
+                             seed=42, epoch=1)
+        n = max(3, min(12, int(12 * 4096 / mt)))  # about the same number of tokens at every size
+        bs = [collate(trainer.train_data, tr_idx[b]) for b in order[:n + 2]]
+        res["batch_scaling"].append({"max_tokens": mt, "tok_s": time_windows(step_bf16, bs, 2, window=n)[0],
+                                     "sentences": statistics.mean(b.src.size(0) for b in bs)})
+    log("decoding cost against length")
+    res["decode_scaling"] = decode_cost_by_length(trainer, [10, 25, 50, 100, 200])
+
+    if not args.no_peers:
+        if peers_ready():
+            res["peers"] = {}
+            for peer in ("fairseq", "joey"):
+                out = run_peer("train_throughput.sh", peer, str(args.peer_updates))
+                if out:
+                    res["peers"][peer] = {"tok_s": float(out["tgt_tok_per_s"]), "peak_rss_mb": out.get("peak_rss_mb")}
+        else:
+            res["notes"].append("peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)")
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
+    write_report(res, Path(args.out))
+    log(f"wrote {args.out} and {args.json}")
+    for k, v in res["training"].items():
+        log(f"{k}: {v['tok_s']:,.0f} tgt tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
