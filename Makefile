@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-quality clean
 
 install: $(VENV)/.installed
 
@@ -28,8 +28,13 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+# Speed side by side with the peers (../shared/peers, optional) -> BENCHMARKS.md, bench.json.
 bench: install
 	$(PY) scripts/bench.py
+
+# The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.
+bench-quality: install
+	$(PY) scripts/bench_quality.py --budget 20
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache

@@ -32,7 +32,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from benchlib import replace_section  # noqa: E402
 from transformer_mt.config import config_from_dict  # noqa: E402
 from transformer_mt.data import Batch, collate, make_batches  # noqa: E402
 from transformer_mt.tokenizer import PAD  # noqa: E402
@@ -230,13 +232,13 @@ def write_report(res: dict, path: Path) -> None:
     t = res["training"]
     peak = res["matmul_gflops"]
     lines = [
-        "# Benchmarks",
+        "## Speed",
         "",
         f"Written by `make bench` (`scripts/bench.py`) on {res['date']}: {res['machine']}, torch {res['torch']}, "
         f"{res['threads']} threads. Figures drift between runs on these shared machines: compare the ratios, "
         "which come from one run with every contender on the same batches.",
         "",
-        "## Training throughput (Multi30k En→De, the peers' model)",
+        "### Training throughput (Multi30k En→De, the peers' model)",
         "",
         f"Model: 3+3 layers, d_model 256, 4 heads, FFN 1024, pre-norm, tied joint 8k SentencePiece vocabulary, "
         f"dropout 0.1 (residual, attention, activation). Batches: ~4,096 tokens (sentences × longest side), "
@@ -269,7 +271,7 @@ def write_report(res: dict, path: Path) -> None:
         "",
         f"Peak RSS of the bench process: {res['peak_rss_mb']:,.0f} MiB.",
         "",
-        "## Tokens/s against batch size (ours, bf16)",
+        "### Tokens/s against batch size (ours, bf16)",
         "",
         "| max_tokens | target tok/s | sentences/batch |",
         "| ---: | ---: | ---: |",
@@ -278,7 +280,7 @@ def write_report(res: dict, path: Path) -> None:
         lines.append(f"| {row['max_tokens']:,} | {row['tok_s']:,.0f} | {row['sentences']:.0f} |")
     lines += [
         "",
-        "## Decoding cost against output length (KV cache, 16 sentences, greedy, forced length)",
+        "### Decoding cost against output length (KV cache, 16 sentences, greedy, forced length)",
         "",
         "| output tokens | ms per decoding step | total s |",
         "| ---: | ---: | ---: |",
@@ -288,14 +290,14 @@ def write_report(res: dict, path: Path) -> None:
     lines += ["", "The cost per step stays flat as the output grows: each step attends over cached keys and "
               "values instead of re-running the prefix.", ""]
     if res.get("decoding"):
-        lines += ["## Beam-4 decoding of test_2016_flickr (1,000 sentences)", "",
+        lines += ["### Beam-4 decoding of test_2016_flickr (1,000 sentences)", "",
                   "| contender | sentences/s | BLEU | signature |", "| --- | ---: | ---: | --- |"]
         for name, v in res["decoding"].items():
             lines.append(f"| {name} | {v['sent_s']:.1f} | {v.get('bleu', '')} | {v.get('signature', '')} |")
         lines.append("")
     for note in res.get("notes", []):
         lines.append(f"- {note}")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    replace_section(path, "speed", "\n".join(lines))
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -315,7 +317,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 10 steps, no peers")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--json", default=str(ROOT / "bench.json"))
+    ap.add_argument("--report-only", action="store_true", help="rewrite BENCHMARKS.md from an existing --json")
     args = ap.parse_args()
+    if args.report_only:
+        write_report(json.loads(Path(args.json).read_text()), Path(args.out))
+        return 0
     if args.quick:
         args.rounds, args.steps, args.warmup, args.no_peers = 1, 10, 2, True
     torch.set_num_threads(2)

@@ -356,3 +356,19 @@ def test_bad_beam_is_a_usage_error(trained, capsys):
         main(["translate", "-c", str(trained["run_dir"]), "--beam", "0"])
     assert info.value.code == 2
     assert "--beam" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["--last", "--best"])
+def test_average_then_evaluate(trained, tmp_path, how, capsys):
+    out = tmp_path / f"avg{how}.pt"
+    assert main(["average", str(trained["run_dir"]), how, "2", "--output", str(out)]) == 0
+    assert "averaged steps 15, 30" in capsys.readouterr().err
+    assert main(["evaluate", "-c", str(out), "--json", "--beam", "2", "--alpha", "1.0"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["alpha"] == 1.0 and result["checkpoint"] == str(out)
+
+
+def test_average_needs_two_checkpoints(trained, tmp_path, capsys):
+    (tmp_path / "checkpoints").mkdir()
+    assert main(["average", str(tmp_path), "--last", "3"]) == 2
+    assert "at least 2" in capsys.readouterr().err

@@ -163,6 +163,7 @@ def test_record_formats_missing_file(tmp_path, fmt):
     assert str(missing) in str(info.value)
 
 
+@pytest.mark.reliability
 def test_hf_offline_fails_fast_with_a_clear_message(tmp_path, monkeypatch, hf_cache):
     datasets = pytest.importorskip("datasets")
     import huggingface_hub.constants
@@ -184,6 +185,7 @@ def test_hf_offline_fails_fast_with_a_clear_message(tmp_path, monkeypatch, hf_ca
 # --------------------------------------------------------------------------- filtering
 
 
+@pytest.mark.reliability
 def test_usable_indices_drops_empty_and_long_and_warns(caplog):
     max_len = 5
     pairs = [

@@ -121,3 +121,31 @@ def test_separate_bpe_vocabularies_train_and_reload(tmp_path):
     assert not tokenizer.joint
     assert model.src_embed.lut.weight is not model.tgt_embed.lut.weight
     assert model.tgt_embed.lut.weight is model.generator.weight
+
+
+def test_average_checkpoints_is_the_elementwise_mean(tmp_path):
+    from transformer_mt.checkpoint import average_checkpoints, save_checkpoint
+
+    a = {"w": torch.tensor([1.0, 2.0, 4.0]), "n": torch.tensor([3])}
+    b = {"w": torch.tensor([3.0, 2.0, 0.0]), "n": torch.tensor([3])}
+    for i, m in enumerate((a, b)):
+        save_checkpoint(tmp_path / f"step_{i}.pt", {"model": m, "config": {}, "step": i, "optimizer": {}})
+    avg = average_checkpoints([tmp_path / "step_0.pt", tmp_path / "step_1.pt"])
+    torch.testing.assert_close(avg["model"]["w"], torch.tensor([2.0, 2.0, 2.0]))
+    assert avg["model"]["n"].dtype == torch.int64 and avg["averaged_steps"] == [0, 1]
+    assert avg["step"] == 1 and "optimizer" not in avg
+
+
+def test_time_budget_stops_training_and_keeps_the_weights(tmp_path):
+    write_copy_corpus(tmp_path, n_train=200)
+    summary = Trainer(tiny_config(tmp_path, max_steps=10_000, max_minutes=0.0001)).train()
+    assert summary["steps"] < 10_000 and "max_minutes" in summary["stopped"]
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+
+
+def test_training_averages_the_last_checkpoints(tmp_path):
+    write_copy_corpus(tmp_path, n_train=200)
+    Trainer(tiny_config(tmp_path, max_steps=6, valid_every=2, keep_last=3, average_last=3)).train()
+    averaged = torch.load(tmp_path / "run" / "checkpoints" / "averaged.pt", weights_only=True)
+    assert averaged["averaged_steps"] == [2, 4, 6]
+    assert "loss" in averaged["metrics"]

@@ -33,7 +33,11 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """torch.save into a temporary file beside `path`, fsync, then rename over it."""
     buf = io.BytesIO()
     torch.save({**state, "version": __version__}, buf)
-    atomic_write(path, buf.getbuffer())
+    try:
+        atomic_write(path, buf.getbuffer())
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; "
+                              "the previous file at that path is intact") from None
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -102,3 +106,56 @@ def load_for_inference(path: Path, device: torch.device | str = "cpu"
         raise CheckpointError(f"{path}: weights do not match the saved model config: "
                               f"{str(e).splitlines()[0]}") from None
     return model.to(device).eval(), tokenizer, cfg, ckpt
+
+
+def step_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """The run's checkpoints/step_N.pt files, oldest first."""
+    return sorted(Path(run_dir, "checkpoints").glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+
+
+def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
+    """Element-wise mean of the weights of several checkpoints (Sec. 6.1 averages the last 5).
+
+    The result keeps the newest checkpoint's config, tokenizer and step, but no optimizer state.
+    """
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    steps = []
+    for path in paths:
+        ckpt = load_checkpoint(path)
+        steps.append(ckpt["step"])
+        for k, v in ckpt["model"].items():
+            if k in total and total[k].shape != v.shape:
+                raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}: "
+                                      "these checkpoints are not of one model")
+            total[k] = total[k] + v.double() if k in total else v.double()
+    model = {k: (v / len(paths)).to(ckpt["model"][k].dtype) for k, v in total.items()}
+    keep = {k: ckpt[k] for k in ("config", "tokenizer", "step") if k in ckpt}
+    return {**keep, "model": model, "averaged_steps": steps}
+
+
+def checkpoint_score(path: Path) -> float:
+    """The validation score a checkpoint was saved with: BLEU, else minus the loss."""
+    metrics = load_checkpoint(path).get("metrics") or {}
+    if "bleu" in metrics:
+        return metrics["bleu"]
+    if "loss" in metrics:
+        return -metrics["loss"]
+    raise CheckpointError(f"{path} records no validation metrics: use --last instead of --best")
+
+
+def average_run(run_dir: str | os.PathLike, *, last: int = 0, best: int = 0,
+                output: Optional[str | os.PathLike] = None) -> tuple[Path, list[int]]:
+    """`tmt average`: average the newest `last` (or the `best` best-validating) step checkpoints."""
+    paths = step_checkpoints(run_dir)
+    n = last or best
+    if len(paths) < 2 or n < 2:
+        raise CheckpointError(f"{Path(run_dir)}: need at least 2 step_N.pt checkpoints to average "
+                              f"(found {len(paths)}; keep more with train.keep_last)")
+    chosen = paths[-n:] if last else sorted(sorted(paths, key=checkpoint_score)[-n:],
+                                            key=lambda p: int(p.stem.split("_")[1]))
+    averaged = average_checkpoints(chosen)
+    out = Path(output) if output else Path(run_dir, "checkpoints", "averaged.pt")
+    save_checkpoint(out, averaged)
+    return out, averaged["averaged_steps"]

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Everything goes to the config's output_dir: config.yaml, spm*.model, "
                                    "checkpoints/{last,best,step_N}.pt and TensorBoard events under tb/.")
     p.add_argument("config", help="YAML config file (see configs/ and the README's config reference)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="continue the run in output_dir from its checkpoints/last.pt (or from CHECKPOINT): "
+                        "weights, optimizer, schedule, position in the epoch and random state")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.max_steps=200 --set model.d_model=128 "
                         "(repeatable; VALUE is parsed as YAML)")
@@ -48,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: the best checkpoint of the most recently trained run under ./runs/")
         p.add_argument("--beam", type=_positive_int, metavar="N",
                        help="beam size; 1 = greedy search (default: the run's decode.beam)")
+        p.add_argument("--alpha", type=float, metavar="A",
+                       help="GNMT length penalty exponent for beam search (default: the run's decode.alpha)")
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                        help="where to run the model (default: auto = CUDA, then MPS, then CPU)")
 
@@ -70,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(default: next to the checkpoint)")
     p.add_argument("--json", action="store_true", help="print one JSON object (bleu, chrf, ter, signature, "
                                                        "hypotheses_path, ...) instead of text")
+
+    p = sub.add_parser("average", help="average the weights of a run's step checkpoints",
+                       description="Average the newest N (--last) or the N best-validating (--best) "
+                                   "checkpoints/step_N.pt of a run into checkpoints/averaged.pt (or --output), "
+                                   "which translate and evaluate accept like any checkpoint.")
+    p.add_argument("run_dir", help="run directory (the config's output_dir)")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--last", type=_positive_int, metavar="N", help="average the newest N step checkpoints")
+    group.add_argument("--best", type=_positive_int, metavar="N",
+                       help="average the N step checkpoints with the best validation score")
+    p.add_argument("--output", "-o", metavar="FILE", help="where to write (default: RUN_DIR/checkpoints/averaged.pt)")
     return parser
 
 
@@ -85,9 +101,13 @@ def _positive_int(text: str) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .train import train
+    from .train import TrainingInterrupted, train
 
-    summary = train(load_config(args.config, args.overrides))
+    try:
+        summary = train(load_config(args.config, args.overrides), resume=args.resume)
+    except TrainingInterrupted as e:
+        print(f"tmt: {e}", file=sys.stderr)
+        return e.exit_code
     print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best validation "
           f"{summary['best_score']:.2f} at step {summary['best_step']}; run directory {summary['run_dir']}",
           file=sys.stderr)
@@ -99,6 +119,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from .translate import Translator, pick_device
 
     model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(args.checkpoint), pick_device(args.device))
+    if args.alpha is not None:
+        cfg.decode.alpha = args.alpha
     translator = Translator(model, tokenizer, cfg.decode)
     with contextlib.ExitStack() as stack:  # closes only the files opened here, never stdin/stdout
         try:
@@ -116,8 +138,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import evaluate
 
-    result = evaluate(args.checkpoint, src=args.src, ref=args.ref, beam=args.beam, device=args.device,
-                      output=args.output)
+    result = evaluate(args.checkpoint, src=args.src, ref=args.ref, beam=args.beam, alpha=args.alpha,
+                      device=args.device, output=args.output)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -129,7 +151,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "translate": cmd_translate, "evaluate": cmd_evaluate}
+def cmd_average(args: argparse.Namespace) -> int:
+    from .checkpoint import average_run
+
+    path, steps = average_run(args.run_dir, last=args.last or 0, best=args.best or 0, output=args.output)
+    print(f"averaged steps {', '.join(map(str, steps))} into {path}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "translate": cmd_translate, "evaluate": cmd_evaluate, "average": cmd_average}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

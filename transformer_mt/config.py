@@ -45,6 +45,7 @@ class DataConfig:
     src_field: Optional[str] = None
     tgt_field: Optional[str] = None
     max_len: int = 256  # training pairs longer than this (in subword tokens) are dropped
+    invalid_utf8: Literal["error", "replace"] = "error"  # text files: stop at file:line, or replace and count
     cache_dir: Optional[str] = None  # tokenized-corpus cache; default: OUTPUT_DIR/cache
 
     def __post_init__(self) -> None:
@@ -110,6 +111,7 @@ class TrainConfig:
     accumulate: int = 1  # batches per optimizer step
     max_steps: int = 100_000
     max_epochs: int = 1000
+    max_minutes: float = 0.0  # time budget (set-up included); 0 = none. Stops, validates and saves.
     lr_factor: float = 2.0  # Noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup: int = 4000
     adam_betas: tuple[float, float] = (0.9, 0.98)
@@ -123,6 +125,7 @@ class TrainConfig:
     valid_beam: int = 1
     keep_last: int = 3  # step_N.pt checkpoints kept besides last.pt and best.pt
     patience: int = 0  # stop after this many validations without a new best; 0 = never
+    average_last: int = 0  # at the end, average the newest N step checkpoints (averaged.pt; best.pt if better)
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
@@ -138,6 +141,10 @@ class TrainConfig:
         _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(self.patience >= 0, "train.patience", f"must be >= 0, got {self.patience}")
+        _check(self.max_minutes >= 0, "train.max_minutes", f"must be >= 0, got {self.max_minutes}")
+        _check(self.average_last >= 0, "train.average_last", f"must be >= 0, got {self.average_last}")
+        _check(self.average_last <= max(self.keep_last, 1), "train.average_last",
+               f"({self.average_last}) needs train.keep_last >= {self.average_last} step checkpoints to average")
         _check(self.threads >= 0, "train.threads", f"must be >= 0, got {self.threads}")
         _check(all(0.0 <= b < 1.0 for b in self.adam_betas), "train.adam_betas",
                f"must be two numbers in [0, 1), got {list(self.adam_betas)}")

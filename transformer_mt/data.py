@@ -45,7 +45,7 @@ def read_split(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
                         + ("split name" if cfg.format == "hf" else "path") + f" for the {split} split")
     if cfg.format == "text":
         src_path, tgt_path = (text_file(where, lang) for lang in (cfg.src_lang, cfg.tgt_lang))
-        src, tgt = read_lines(src_path), read_lines(tgt_path)
+        src, tgt = read_lines(src_path, cfg.invalid_utf8), read_lines(tgt_path, cfg.invalid_utf8)
         if len(src) != len(tgt):
             raise DataError(f"data.{split}: {src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
                             "line N of one must translate line N of the other")
@@ -62,10 +62,11 @@ def text_file(prefix: str, lang: str) -> Path:
                     f"check the data paths in the config (relative paths start at {os.getcwd()})")
 
 
-def read_lines(path: str | os.PathLike) -> list[str]:
+def read_lines(path: str | os.PathLike, invalid_utf8: str = "error") -> list[str]:
     """All lines of a UTF-8 text file (optionally .gz), without line endings.
 
-    Invalid UTF-8 is reported with file and line, never as a deep traceback.
+    Invalid UTF-8 is reported with file and line (`error`), or replaced by U+FFFD and counted
+    in a warning (`replace`) — never a deep traceback.
     """
     path = Path(path)
     try:
@@ -79,12 +80,24 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line}: invalid UTF-8 ({e.reason} at byte {e.start}); "
-                        "re-encode the file as UTF-8") from None
+        if invalid_utf8 != "replace":
+            raise DataError(f"{path}:{line}: invalid UTF-8 ({e.reason} at byte {e.start}); re-encode the file "
+                            "as UTF-8, or set data.invalid_utf8: replace") from None
+        text = raw.decode("utf-8", errors="replace")
+        bad = sum(not _is_utf8(ln) for ln in raw.split(b"\n"))
+        log.warning("%s: %d line(s) with invalid UTF-8 (first: line %d); bytes replaced by U+FFFD", path, bad, line)
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return [line.rstrip("\r") for line in lines]
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _read_records(cfg: DataConfig, split: str, where: str) -> tuple[list[str], list[str]]:

@@ -27,7 +27,8 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any
 
 
 def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref: Optional[str] = None,
-             beam: Optional[int] = None, device: str = "auto", output: Optional[str] = None) -> dict[str, Any]:
+             beam: Optional[int] = None, alpha: Optional[float] = None, device: str = "auto",
+             output: Optional[str] = None) -> dict[str, Any]:
     """Translate the run's test split (or --src) and score it against its references (or --ref).
 
     The hypotheses are written next to the checkpoint; the result dict includes their path.
@@ -45,6 +46,8 @@ def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref
         sources, references = read_split(cfg.data, "test")
         name = "test"
     beam = beam or cfg.decode.beam
+    if alpha is not None:
+        cfg.decode.alpha = alpha
     translator = Translator(model, tokenizer, cfg.decode)
     start = time.perf_counter()
     hyps = translator.translate(sources, beam=beam)
@@ -52,7 +55,7 @@ def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref
     hyp_path = Path(output) if output else path.parent / f"{path.stem}.{name}.beam{beam}.hyp"
     hyp_path.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     result = score(hyps, references)
-    result.update(checkpoint=str(path), step=ckpt.get("step"), beam=beam, sentences=len(hyps),
+    result.update(checkpoint=str(path), step=ckpt.get("step"), beam=beam, alpha=cfg.decode.alpha, sentences=len(hyps),
                   decode_seconds=round(seconds, 2), sentences_per_second=round(len(hyps) / max(seconds, 1e-9), 1),
                   hypotheses_path=str(hyp_path))
     return result

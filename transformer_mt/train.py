@@ -12,6 +12,8 @@ import dataclasses
 import logging
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpoint import save_checkpoint
+from .checkpoint import CheckpointError, average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints
 from .config import Config, save_config
 from .data import (Batch, DataError, TokenizedCorpus, collate, load_tokenized, make_batches, read_split,
                    usable_indices)
+from .errors import UserError
 from .evaluate import score
 from .model import Transformer, build_model
 from .tokenizer import PAD, Tokenizer, train_tokenizer
@@ -58,6 +61,7 @@ class TrainState:
     best_score: float = -math.inf  # validation BLEU (or -loss without BLEU)
     best_step: int = 0
     bad_validations: int = 0  # validations since the best one
+    seconds: float = 0.0  # training wall-clock of earlier (resumed-from) runs
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -72,10 +76,14 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 class Trainer:
     """Builds data, tokenizer, model and optimizer from a Config and runs the loop."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resume: Optional[str | Path | bool] = None):
+        self.started = time.perf_counter()
         self.cfg = cfg
+        self.metrics: dict[str, float] = {}
+        self.stop_signal: Optional[str] = None
         self.run_dir = Path(cfg.output_dir)
         tc = cfg.train
+        resume_from = self._resume_path(resume)
         if tc.threads:
             torch.set_num_threads(tc.threads)
         _seed_everything(tc.seed)
@@ -111,6 +119,46 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.state = TrainState()
         self.writer = None
+        if resume_from is not None:
+            self._restore(resume_from)
+
+    # ------------------------------------------------------------------ resuming
+
+    def _resume_path(self, resume: Optional[str | Path | bool]) -> Optional[Path]:
+        """The checkpoint to resume from; refuses to start over a run that has checkpoints."""
+        last = self.run_dir / "checkpoints" / "last.pt"
+        if resume is None or resume is False:
+            if last.exists():
+                raise UserError(f"{self.run_dir} already holds a run (checkpoints/last.pt): add --resume to "
+                                "continue it, or set another output_dir (or delete the folder) to start over")
+            return None
+        path = last if resume is True else Path(resume)
+        if not path.is_file():
+            raise CheckpointError(f"cannot resume: checkpoint not found: {path}")
+        return path
+
+    def _restore(self, path: Path) -> None:
+        """Model, optimizer, schedule, scaler, loop position and every RNG, as they were when saved."""
+        ckpt = load_checkpoint(path, map_location=self.device)
+        if ckpt.get("tokenizer") != self.tokenizer.digest:
+            raise CheckpointError(f"cannot resume from {path}: it was trained with tokenizer {ckpt.get('tokenizer')}, "
+                                  f"but {self.run_dir} has SentencePiece model {self.tokenizer.digest}")
+        saved = ckpt["config"].get("model", {})
+        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
+                for k, v in dataclasses.asdict(self.cfg.model).items() if saved.get(k) != v]
+        if diff:
+            raise CheckpointError(f"cannot resume from {path}: the model config differs: " + "; ".join(diff))
+        if "optimizer" not in ckpt or "train_state" not in ckpt:
+            raise CheckpointError(f"cannot resume from {path}: it holds weights only (an averaged checkpoint?)")
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.scaler.load_state_dict(ckpt.get("scaler", {}))
+        self.state = TrainState(**ckpt["train_state"])
+        self.metrics = ckpt.get("metrics") or {}
+        set_rng_state(ckpt["rng"])
+        log.info("resumed from %s: step %d, epoch %d, batch %d of the epoch", path, self.state.step,
+                 self.state.epoch, self.state.batch_in_epoch)
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -154,58 +202,124 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict[str, Any]:
-        """Run until train.max_steps (or max_epochs, or early stopping); return a summary."""
+        """Run until max_steps, max_epochs, the time budget or early stopping; return a summary."""
         tc = self.cfg.train
         from torch.utils.tensorboard import SummaryWriter  # imported late: slow, and only the loop needs it
 
         self.writer = SummaryWriter(str(self.run_dir / "tb"))
-        n_params = self.model.num_parameters()
         log.info("device %s, precision %s, %.2fM parameters, %d training pairs, %d batches/epoch of <= %d tokens",
-                 self.device, self.precision, n_params / 1e6, len(self.train_idx), len(self.epoch_batches(1)),
-                 tc.max_tokens)
-        start_time = time.perf_counter()
+                 self.device, self.precision, self.model.num_parameters() / 1e6, len(self.train_idx),
+                 len(self.epoch_batches(1)), tc.max_tokens)
         bar = tqdm(total=tc.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True,
                    mininterval=1.0)
         batches = self._batches()
         window_loss = torch.zeros((), device=self.device)
-        window_tokens, window_start = 0, time.perf_counter()
-        stop = False
+        window_tokens, window_start, window_first = 0, time.perf_counter(), self.state.step + 1
+        validated_at, reason = -1, ""
         self.model.train()
-        while self.state.step < tc.max_steps and not stop:
-            micro = [b for _, b in zip(range(tc.accumulate), batches)]
-            if not micro:
-                break  # max_epochs reached
-            window_loss += self.train_step(micro)
-            window_tokens += sum(b.n_tgt_tokens for b in micro)
-            self.state.step += 1
-            self.state.target_tokens += sum(b.n_tgt_tokens for b in micro)
-            bar.update(1)
-            step = self.state.step
-            if step % tc.log_every == 0 or step == tc.max_steps:
-                elapsed = time.perf_counter() - window_start
-                loss = window_loss.item() / max(window_tokens, 1)  # the one host sync per window
-                lr = self.scheduler.get_last_lr()[0]
-                tok_s = window_tokens / max(elapsed, 1e-9)
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
-                self.writer.add_scalar("train/loss", loss, step)
-                self.writer.add_scalar("train/lr", lr, step)
-                self.writer.add_scalar("train/tokens_per_sec", tok_s, step)
-                if not math.isfinite(loss):
+        with self._stop_on_signals():
+            while not reason:
+                micro = [b for _, b in zip(range(tc.accumulate), batches)]
+                if not micro:
+                    reason = f"train.max_epochs={tc.max_epochs} reached"
+                    break
+                window_loss += self.train_step(micro)
+                window_tokens += sum(b.n_tgt_tokens for b in micro)
+                self.state.step += 1
+                self.state.target_tokens += sum(b.n_tgt_tokens for b in micro)
+                bar.update(1)
+                step = self.state.step
+                if step >= tc.max_steps:
+                    reason = f"train.max_steps={tc.max_steps} reached"
+                elif tc.max_minutes and self.minutes() >= tc.max_minutes:
+                    reason = f"train.max_minutes={tc.max_minutes:g} reached"
+                saving = step % tc.valid_every == 0 or reason or self.stop_signal
+                if step % tc.log_every == 0 or saving:
+                    loss = window_loss.item() / max(window_tokens, 1)  # the one host sync per window
+                    if not math.isfinite(loss):
+                        bar.close()
+                        last = self.run_dir / "checkpoints" / "last.pt"
+                        kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written yet"
+                        raise TrainingDiverged(
+                            f"the training loss became {loss} between steps {window_first} and {step}; stopped, "
+                            f"{kept} (lower train.lr_factor, raise train.warmup or set train.clip_norm)")
+                if step % tc.log_every == 0:
+                    now = time.perf_counter()
+                    lr = self.scheduler.get_last_lr()[0]
+                    tok_s = window_tokens / max(now - window_start, 1e-9)
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+                    self.writer.add_scalar("train/loss", loss, step)
+                    self.writer.add_scalar("train/lr", lr, step)
+                    self.writer.add_scalar("train/tokens_per_sec", tok_s, step)
+                    window_loss.zero_()
+                    window_tokens, window_start, window_first = 0, now, step + 1
+                if self.stop_signal and not reason:
                     bar.close()
-                    raise FloatingPointError(f"training loss is {loss} at step {step}; the last good checkpoint "
-                                             f"is {self.run_dir / 'checkpoints' / 'last.pt'}")
-                window_loss.zero_()
-                window_tokens, window_start = 0, time.perf_counter()
-            if step % tc.valid_every == 0 or step == tc.max_steps:
-                stop = self.validate_and_save(bar)
-        if self.state.step % tc.valid_every and self.state.step != tc.max_steps:
-            self.validate_and_save(bar)  # ended by max_epochs: keep the final weights too
+                    save_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.checkpoint_state())
+                    self.writer.close()
+                    raise TrainingInterrupted(
+                        f"{self.stop_signal}: stopped after step {step}, saved {self.run_dir / 'checkpoints' / 'last.pt'}; "
+                        "continue with the same command plus --resume",
+                        130 if self.stop_signal == "SIGINT" else 143)
+                if step % tc.valid_every == 0 or reason:
+                    validated_at = step
+                    if self.validate_and_save(bar) and not reason:
+                        reason = f"no better validation score in train.patience={tc.patience} validations"
+        if validated_at != self.state.step:
+            self.validate_and_save(bar)  # keep the final weights too
         bar.close()
+        log.info("stopped: %s", reason)
+        if tc.average_last > 1:
+            self.average_and_validate(tc.average_last)
         self.writer.close()
-        minutes = (time.perf_counter() - start_time) / 60
-        return {"steps": self.state.step, "epochs": self.state.epoch, "minutes": round(minutes, 2),
+        return {"steps": self.state.step, "epochs": self.state.epoch, "minutes": round(self.minutes(), 2),
                 "best_score": self.state.best_score, "best_step": self.state.best_step,
-                "target_tokens": self.state.target_tokens, "run_dir": str(self.run_dir)}
+                "target_tokens": self.state.target_tokens, "stopped": reason, "run_dir": str(self.run_dir)}
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM ask the loop to finish its step and write last.pt; a second one stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+            tqdm.write(f"tmt: {self.stop_signal}: finishing this step and writing last.pt "
+                       "(press Ctrl-C again to stop at once)")
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+
+    def minutes(self) -> float:
+        """Training wall-clock so far (set-up included), summed over resumed runs."""
+        return (self.state.seconds + time.perf_counter() - self.started) / 60
+
+    def average_and_validate(self, n: int) -> None:
+        """Average the newest n step checkpoints into averaged.pt; it becomes best.pt if it validates better."""
+        ckpt_dir = self.run_dir / "checkpoints"
+        paths = step_checkpoints(self.run_dir)[-n:]
+        if len(paths) < 2:
+            log.warning("train.average_last=%d: only %d step checkpoint(s) to average; skipped", n, len(paths))
+            return
+        averaged = average_checkpoints(paths)
+        self.model.load_state_dict(averaged["model"])
+        metrics = self.validation_metrics()
+        averaged["metrics"] = metrics
+        save_checkpoint(ckpt_dir / "averaged.pt", averaged)
+        score_ = metrics.get("bleu", -metrics.get("loss", 0.0))
+        better = score_ > self.state.best_score
+        if better:
+            save_checkpoint(ckpt_dir / "best.pt", averaged)
+        log.info("averaged %d checkpoints (steps %s): valid %s%s", len(paths),
+                 ", ".join(p.stem.split("_")[1] for p in paths),
+                 " ".join(f"{k} {v:.2f}" for k, v in metrics.items()), " (best: now best.pt)" if better else "")
 
     def train_step(self, micro: list[Batch]) -> torch.Tensor:
         """One optimizer update over `micro` batches; returns the summed loss (a device tensor)."""
@@ -253,17 +367,22 @@ class Trainer:
         self.model.train()
         return score(hyps, self.valid_text[1])
 
-    def validate_and_save(self, bar: Optional[tqdm] = None) -> bool:
-        """Validate, write checkpoints (last, step_N, best), and say whether to stop early."""
-        step, tc = self.state.step, self.cfg.train
+    def validation_metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
         if self.valid_data is not None:
             metrics["loss"] = self.validation_loss()
             metrics["ppl"] = math.exp(min(metrics["loss"], 50.0))
             if self.valid_text is not None:
                 metrics["bleu"] = self.validation_bleu()["bleu"]
-            for k, v in metrics.items():
-                self.writer.add_scalar(f"valid/{k}", v, step)
+        return metrics
+
+    def validate_and_save(self, bar: Optional[tqdm] = None) -> bool:
+        """Validate, write checkpoints (last, step_N, best), and say whether to stop early."""
+        step, tc = self.state.step, self.cfg.train
+        metrics = self.validation_metrics()
+        for k, v in metrics.items():
+            self.writer.add_scalar(f"valid/{k}", v, step)
+        self.metrics = metrics
         current = metrics.get("bleu", -metrics.get("loss", -step))
         improved = current > self.state.best_score
         if improved:
@@ -283,7 +402,9 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.state.step,
-            "train_state": dataclasses.asdict(self.state),
+            "train_state": {**dataclasses.asdict(self.state), "seconds": self.minutes() * 60},
+            "metrics": self.metrics,
+            "rng": rng_state(),
             "config": self.cfg.to_dict(),
             "tokenizer": self.tokenizer.digest,
         }
@@ -298,8 +419,7 @@ class Trainer:
             save_checkpoint(ckpt_dir / "best.pt", state)
         if self.cfg.train.keep_last > 0:
             save_checkpoint(step_path, state)
-            old = sorted(ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-            for p in old[:-self.cfg.train.keep_last]:
+            for p in step_checkpoints(self.run_dir)[:-self.cfg.train.keep_last]:
                 p.unlink(missing_ok=True)
 
 
@@ -309,6 +429,35 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: Config) -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """Every random generator the loop touches, as plain data that weights_only loading accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT/SIGTERM: the step finished and last.pt was written; the CLI exits with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN or infinite; the last checkpoint written before it is kept."""
+
+
+def train(cfg: Config, resume: Optional[str | Path | bool] = None) -> dict[str, Any]:
     """Train a model as the config says; the run directory is cfg.output_dir."""
-    return Trainer(cfg).train()
+    return Trainer(cfg, resume).train()

@@ -1,0 +1,125 @@
+"""`make bench-quality`: the Multi30k recipe end to end, and an equal-budget comparison with fairseq.
+
+  recipe  tmt train configs/multi30k_en_de_local.yaml into a clean run directory, then
+          tmt evaluate on test_2016_flickr (beam 4): BLEU, chrF, TER with signatures, minutes, steps, tok/s.
+  budget  (--budget M) ours with the peers' model and M minutes of training, beside
+          ../shared/peers/budget.sh fairseq M: BLEU and beam-4 decoding speed of both.
+
+Writes the `quality` section of BENCHMARKS.md and bench_quality.json.
+usage: python scripts/bench_quality.py [--recipe CONFIG] [--budget MINUTES] [--skip-recipe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench import BENCH_CONFIG, MULTI30K, peers_ready, run_peer  # noqa: E402
+from benchlib import replace_section  # noqa: E402
+
+TMT = [sys.executable, "-m", "transformer_mt"]
+TEST = ["--src", str(MULTI30K / "test_2016_flickr.en.gz"), "--ref", str(MULTI30K / "test_2016_flickr.de.gz")]
+
+
+def log(msg: str) -> None:
+    print(f"[bench-quality] {msg}", file=sys.stderr, flush=True)
+
+
+def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int = 4) -> dict:
+    """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sets = [a for o in [f"output_dir={run_dir}", *overrides] for a in ("--set", o)]
+    t0 = time.perf_counter()
+    log(f"training {config} into {run_dir}")
+    subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
+    minutes = (time.perf_counter() - t0) / 60
+    out = subprocess.run([*TMT, "evaluate", "--checkpoint", str(run_dir), *TEST, "--beam", str(beam), "--json"],
+                         cwd=ROOT, check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout)
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    state = last["train_state"]
+    result.update(train_minutes=round(minutes, 1), steps=state["step"], epochs=state["epoch"],
+                  tgt_tok_per_s=round(state["target_tokens"] / max(state["seconds"], 1e-9)),
+                  evaluated=Path(result["checkpoint"]).name)
+    return result
+
+
+def report(res: dict) -> str:
+    lines = ["## Quality (Multi30k En→De, test_2016_flickr, 1,000 sentences)", ""]
+    if "recipe" in res:
+        r = res["recipe"]
+        lines += [
+            f"`tmt train {res['recipe_config']}` from a clean run directory on {res['date']}, then "
+            f"`tmt evaluate` with beam {r['beam']} on the checkpoint the recipe selected ({r['evaluated']}).",
+            "",
+            "| BLEU | chrF | TER | training minutes | steps | epochs | target tok/s | decode sent/s |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| {r['bleu']:.2f} | {r['chrf']:.2f} | {r['ter']:.2f} | {r['train_minutes']} | {r['steps']:,} | "
+            f"{r['epochs']} | {r['tgt_tok_per_s']:,} | {r['sentences_per_second']} |",
+            "",
+            f"BLEU signature: `{r['bleu_signature']}`; chrF: `{r['chrf_signature']}`; TER: `{r['ter_signature']}`.",
+            "",
+        ]
+    if "budget" in res:
+        b = res["budget"]
+        lines += [f"### Equal budget: {b['minutes']} minutes of training, the peers' model (3+3, d 256), beam 4", "",
+                  "| toolkit | BLEU | decode sent/s | signature |", "| --- | ---: | ---: | --- |"]
+        for name, v in b["results"].items():
+            lines.append(f"| {name} | {v['bleu']} | {v['decode_sent_per_s']} | `{v['signature']}` |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="configs/multi30k_en_de_local.yaml")
+    ap.add_argument("--skip-recipe", action="store_true")
+    ap.add_argument("--budget", type=float, default=0, help="also compare with fairseq at this many minutes")
+    ap.add_argument("--json", default=str(ROOT / "bench_quality.json"))
+    args = ap.parse_args()
+    if not (MULTI30K / "train.en.gz").exists():
+        log(f"skipped: {MULTI30K} is not here")
+        return 0
+    path = Path(args.json)
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res["date"] = time.strftime("%Y-%m-%d %H:%M")
+    if not args.skip_recipe:
+        res["recipe_config"] = args.recipe
+        res["recipe"] = train_and_evaluate(args.recipe, ROOT / "runs" / "quality_recipe", [])
+        log(f"recipe: BLEU {res['recipe']['bleu']} in {res['recipe']['train_minutes']} min")
+    if args.budget:
+        m = args.budget
+        cfg = BENCH_CONFIG
+        overrides = [f"train.max_minutes={m}", "train.max_steps=1000000", "train.valid_every=100000",
+                     "train.precision=bf16", f"data.train={cfg['data']['train']}", f"data.valid={cfg['data']['valid']}",
+                     f"data.test={cfg['data']['test']}"] + [
+            f"{sec}.{k}={json.dumps(v)}" for sec in ("model", "tokenizer") for k, v in cfg[sec].items()] + [
+            f"train.{k}={v}" for k, v in cfg["train"].items() if k in ("max_tokens", "warmup", "lr_factor", "seed")]
+        ours = train_and_evaluate("configs/multi30k_en_de_local.yaml", ROOT / "runs" / f"budget_{m:g}min", overrides)
+        results = {"transformer-mt": {"bleu": ours["bleu"], "decode_sent_per_s": ours["sentences_per_second"],
+                                      "signature": ours["bleu_signature"]}}
+        if peers_ready():
+            out = run_peer("budget.sh", "fairseq", f"{m:g}", timeout=int(m * 60 + 1800))
+            if out:
+                results["fairseq"] = {"bleu": float(out["bleu"]), "decode_sent_per_s": float(out["decode_sent_per_s"]),
+                                      "signature": out.get("signature", "")}
+        res["budget"] = {"minutes": m, "results": results}
+    path.write_text(json.dumps(res, indent=2), encoding="utf-8")
+    replace_section(ROOT / "BENCHMARKS.md", "quality", report(res))
+    log("wrote BENCHMARKS.md and " + str(path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

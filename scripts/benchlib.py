@@ -1,0 +1,18 @@
+"""Shared by the bench scripts: BENCHMARKS.md is assembled from sections that each script owns."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+HEADER = "# Benchmarks\n\nEvery figure here is written by `make bench` / `make bench-quality` from a run; none is typed by hand.\n"
+
+
+def replace_section(path: Path, name: str, text: str) -> None:
+    """Put `text` between <!-- name:start --> and <!-- name:end --> in `path`, keeping other sections."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{text.strip()}\n{end}\n"
+    doc = path.read_text(encoding="utf-8") if path.exists() else HEADER
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.S)
+    doc = pattern.sub(lambda _: block, doc) if pattern.search(doc) else doc.rstrip() + "\n\n" + block
+    path.write_text(doc, encoding="utf-8")
