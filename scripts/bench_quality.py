@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,20 +37,23 @@ def log(msg: str) -> None:
     print(f"[bench-quality] {msg}", file=sys.stderr, flush=True)
 
 
-def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int = 4) -> dict:
+def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int = 4,
+                       train: bool = True) -> dict:
     """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    sets = [a for o in [f"output_dir={run_dir}", *overrides] for a in ("--set", o)]
-    t0 = time.perf_counter()
-    log(f"training {config} into {run_dir}")
-    subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
-    minutes = (time.perf_counter() - t0) / 60
-    out = subprocess.run([*TMT, "evaluate", "--checkpoint", str(run_dir), *TEST, "--beam", str(beam), "--json"],
+    minutes = None
+    if train:
+        shutil.rmtree(ROOT / run_dir, ignore_errors=True)
+        sets = [a for o in [f"output_dir={run_dir}", *overrides] for a in ("--set", o)]
+        t0 = time.perf_counter()
+        log(f"training {config} into {run_dir}")
+        subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
+        minutes = round((time.perf_counter() - t0) / 60, 1)
+    out = subprocess.run([*TMT, "evaluate", "--checkpoint", str(ROOT / run_dir), *TEST, "--beam", str(beam), "--json"],
                          cwd=ROOT, check=True, capture_output=True, text=True)
     result = json.loads(out.stdout)
-    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    last = torch.load(ROOT / run_dir / "checkpoints" / "last.pt", weights_only=True)
     state = last["train_state"]
-    result.update(train_minutes=round(minutes, 1), steps=state["step"], epochs=state["epoch"],
+    result.update(train_minutes=minutes or round(state["seconds"] / 60, 1), steps=state["step"], epochs=state["epoch"],
                   tgt_tok_per_s=round(state["target_tokens"] / max(state["seconds"], 1e-9)),
                   evaluated=Path(result["checkpoint"]).name)
     return result
@@ -85,6 +89,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="configs/multi30k_en_de_local.yaml")
     ap.add_argument("--skip-recipe", action="store_true")
+    ap.add_argument("--evaluate-only", action="store_true", help="score the recipe's existing run, do not train")
     ap.add_argument("--budget", type=float, default=0, help="also compare with fairseq at this many minutes")
     ap.add_argument("--json", default=str(ROOT / "bench_quality.json"))
     args = ap.parse_args()
@@ -96,7 +101,8 @@ def main() -> int:
     res["date"] = time.strftime("%Y-%m-%d %H:%M")
     if not args.skip_recipe:
         res["recipe_config"] = args.recipe
-        res["recipe"] = train_and_evaluate(args.recipe, ROOT / "runs" / "quality_recipe", [])
+        run_dir = yaml.safe_load((ROOT / args.recipe).read_text())["output_dir"]  # the user's own command
+        res["recipe"] = train_and_evaluate(args.recipe, Path(run_dir), [], train=not args.evaluate_only)
         log(f"recipe: BLEU {res['recipe']['bleu']} in {res['recipe']['train_minutes']} min")
     if args.budget:
         m = args.budget
@@ -106,7 +112,7 @@ def main() -> int:
                      f"data.test={cfg['data']['test']}"] + [
             f"{sec}.{k}={json.dumps(v)}" for sec in ("model", "tokenizer") for k, v in cfg[sec].items()] + [
             f"train.{k}={v}" for k, v in cfg["train"].items() if k in ("max_tokens", "warmup", "lr_factor", "seed")]
-        ours = train_and_evaluate("configs/multi30k_en_de_local.yaml", ROOT / "runs" / f"budget_{m:g}min", overrides)
+        ours = train_and_evaluate("configs/multi30k_en_de_local.yaml", Path("runs") / f"budget_{m:g}min", overrides)
         results = {"transformer-mt": {"bleu": ours["bleu"], "decode_sent_per_s": ours["sentences_per_second"],
                                       "signature": ours["bleu_signature"]}}
         if peers_ready():

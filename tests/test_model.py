@@ -241,3 +241,19 @@ def test_dropout_drops_at_its_rate_and_keeps_the_mean(p):
     torch.manual_seed(0)
     assert torch.equal(drop(x), y)  # reproducible from torch's seed
     assert torch.equal(drop.eval()(x), x)
+
+
+def test_train_flops_matches_pytorch_flop_counter(gen):
+    """Without padding, our analytic count equals torch's FlopCounterMode on the forward pass (x3 for
+    training) for every matrix multiply; the counter does not see the CPU attention kernel, so the
+    attention terms are added here by hand: QK^T and AV cost 2*2*d per query-key pair."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = small_cfg(encoder_layers=2, decoder_layers=3)
+    model = Transformer(cfg, V, V, joint_vocab=True).eval()
+    B, S, T = 4, 9, 7
+    src, tgt = random_ids(B, S, [S] * B, gen), random_ids(B, T, [T] * B, gen)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(src, tgt)
+    pairs = cfg.encoder_layers * B * S * S + cfg.decoder_layers * B * (T * (T + 1) // 2 + T * S)
+    assert model.train_flops(src, tgt) / 3 == pytest.approx(counter.get_total_flops() + 4 * D * pairs, rel=1e-9)

@@ -69,9 +69,9 @@ def test_learning_rate_follows_noam_per_update(tmp_path):
     write_copy_corpus(tmp_path, n_train=200)
     trainer = Trainer(tiny_config(tmp_path, max_steps=3))
     lrs = []
-    for micro in zip(range(3), trainer._batches()):
+    for _, (batch, tokens) in zip(range(3), trainer._batches()):
         lrs.append(trainer.optimizer.param_groups[0]["lr"])
-        trainer.train_step([micro[1]])
+        trainer.train_step([batch], tokens)
     assert lrs == pytest.approx([noam(s, 64, 60, 1.0) for s in (1, 2, 3)])
 
 

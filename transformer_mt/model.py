@@ -330,6 +330,22 @@ class Transformer(nn.Module):
         h = self.decode(tokens, memory, src_mask, cache)[:, -1]  # (B, d)
         return F.log_softmax(self.generator(h).float(), dim=-1)
 
+    def train_flops(self, src: torch.Tensor, tgt_out: torch.Tensor) -> float:
+        """Model FLOPs of one training step on a padded batch, counting real (non-pad) tokens only.
+
+        Forward: 2 per multiply-add of every weight matrix a token meets, plus attention scores and
+        weighted sums (the causal half for decoder self-attention); training = 3 x forward.
+        """
+        c = self.cfg
+        d, ff, vocab = c.d_model, c.d_ff, self.generator.out_features
+        s_len = (src != PAD).sum(1).double()  # (B,)
+        t_len = (tgt_out != PAD).sum(1).double()
+        S, T = s_len.sum().item(), t_len.sum().item()
+        fwd = c.encoder_layers * (S * (8 * d * d + 4 * d * ff) + (4 * d * s_len**2).sum().item())
+        fwd += c.decoder_layers * (T * (12 * d * d + 4 * d * ff) + S * 4 * d * d
+                                   + (2 * d * t_len * (t_len + 1)).sum().item() + (4 * d * t_len * s_len).sum().item())
+        return 3 * (fwd + T * 2 * d * vocab)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied matrices are counted once
 

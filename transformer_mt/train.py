@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import random
 import signal
 import threading
@@ -21,6 +22,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -87,29 +89,40 @@ class Trainer:
         if tc.threads:
             torch.set_num_threads(tc.threads)
         _seed_everything(tc.seed)
+        self.rank, self.world, local_rank = init_distributed(tc.device)
         self.device = pick_device(tc.device)
+        if self.device.type == "cuda" and self.world > 1:
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
         self.precision = resolve_precision(tc.precision, self.device)
-        self.rank, self.world = 0, 1
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
-        self.tokenizer = self._tokenizer()
-        cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "cache"
-        self.train_data = load_tokenized(cfg.data, "train", self.tokenizer, cache)
+        with self.rank_zero_first():  # rank 0 trains the tokenizer and fills the cache; the others read them
+            if self.rank == 0:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                save_config(cfg, self.run_dir / "config.yaml")
+            self.tokenizer = self._tokenizer()
+            cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "cache"
+            self.train_data = load_tokenized(cfg.data, "train", self.tokenizer, cache)
+            self.valid_data: Optional[TokenizedCorpus] = None
+            if cfg.data.valid is not None:
+                self.valid_data = load_tokenized(cfg.data, "valid", self.tokenizer, cache)
         self.train_idx = usable_indices(self.train_data, cfg.data.max_len, "train")
-        self.valid_data: Optional[TokenizedCorpus] = None
         self.valid_text: Optional[tuple[list[str], list[str]]] = None
-        if cfg.data.valid is not None:
-            self.valid_data = load_tokenized(cfg.data, "valid", self.tokenizer, cache)
+        if self.valid_data is not None:
             self.valid_idx = usable_indices(self.valid_data, cfg.model.max_positions - 1, "valid")
-            if tc.valid_bleu:
+            if tc.valid_bleu and self.rank == 0:
                 self.valid_text = read_split(cfg.data, "valid")
 
         self.model: Transformer = build_model(cfg.model, self.tokenizer.src_vocab_size,
                                               self.tokenizer.tgt_vocab_size, self.tokenizer.joint).to(self.device)
-        # torch.compile wraps the module for the training forward only; checkpoints take the state dict
-        # of the plain module, so they load without compilation.
-        self.forward = torch.compile(self.model, dynamic=True) if tc.compile else self.model
+        # The training forward may be wrapped (DDP, torch.compile); checkpoints take the state dict of the
+        # plain module, so they load without either.
+        self.forward = self.model
+        if self.world > 1:
+            self.forward = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if tc.compile:
+            self.forward = torch.compile(self.forward, dynamic=True)
         fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=tc.adam_betas, eps=tc.adam_eps,
                                           weight_decay=tc.weight_decay, **fused)
@@ -156,7 +169,13 @@ class Trainer:
         self.scaler.load_state_dict(ckpt.get("scaler", {}))
         self.state = TrainState(**ckpt["train_state"])
         self.metrics = ckpt.get("metrics") or {}
-        set_rng_state(ckpt["rng"])
+        rng = ckpt["rng"]
+        if isinstance(rng, list):  # saved under DDP: one state per rank
+            if len(rng) != self.world:
+                log.warning("resuming %d-process RNG states with %d processes: random streams will differ",
+                            len(rng), self.world)
+            rng = rng[self.rank % len(rng)]
+        set_rng_state(rng)
         log.info("resumed from %s: step %d, epoch %d, batch %d of the epoch", path, self.state.step,
                  self.state.epoch, self.state.batch_in_epoch)
 
@@ -182,22 +201,35 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's batches of one epoch, as indices into the training corpus."""
+        """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of the
+        world size; rank r takes batches r, r + world, r + 2*world, ..."""
         idx = self.train_idx
         batches = make_batches(self.train_data.src_lens[idx], self.train_data.tgt_lens[idx],
                                self.cfg.train.max_tokens, seed=self.cfg.train.seed, epoch=epoch)
-        return [idx[b] for b in batches[self.rank::self.world]]
+        return [idx[b] for b in batches[:len(batches) // self.world * self.world]]
 
-    def _batches(self) -> Iterator[Batch]:
-        """Endless stream of training batches from the current position (epoch, batch_in_epoch)."""
+    def _batches(self) -> Iterator[tuple[Batch, int]]:
+        """Endless stream of (this rank's batch, target tokens of that batch summed over all ranks)
+        from the current position (epoch, batch_in_epoch counts this rank's batches)."""
+        tgt_lens = self.train_data.tgt_lens
         while self.state.epoch <= self.cfg.train.max_epochs:
             batches = self.epoch_batches(self.state.epoch)
-            while self.state.batch_in_epoch < len(batches):
-                b = batches[self.state.batch_in_epoch]
+            while self.state.batch_in_epoch < len(batches) // self.world:
+                j = self.state.batch_in_epoch * self.world
+                group = batches[j:j + self.world]  # this step's batches of every rank
                 self.state.batch_in_epoch += 1
-                yield collate(self.train_data, b)
+                yield collate(self.train_data, group[self.rank]), sum(int(tgt_lens[b].sum()) + len(b) for b in group)
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
+
+    @contextlib.contextmanager
+    def rank_zero_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. writes a cache); the other ranks run it after (and read it)."""
+        if self.world > 1 and self.rank != 0:
+            dist.barrier()
+        yield
+        if self.world > 1 and self.rank == 0:
+            dist.barrier()
 
     # ------------------------------------------------------------------ the loop
 
@@ -206,36 +238,45 @@ class Trainer:
         tc = self.cfg.train
         from torch.utils.tensorboard import SummaryWriter  # imported late: slow, and only the loop needs it
 
-        self.writer = SummaryWriter(str(self.run_dir / "tb"))
-        log.info("device %s, precision %s, %.2fM parameters, %d training pairs, %d batches/epoch of <= %d tokens",
-                 self.device, self.precision, self.model.num_parameters() / 1e6, len(self.train_idx),
-                 len(self.epoch_batches(1)), tc.max_tokens)
+        main = self.rank == 0  # only rank 0 logs, writes TensorBoard events and checkpoints
+        self.writer = SummaryWriter(str(self.run_dir / "tb")) if main else _NullWriter()
+        if main:
+            log.info("device %s, precision %s, %.2fM parameters, %d training pairs, %d batches/epoch of <= %d "
+                     "tokens; effective batch <= %d tokens (max_tokens %d x accumulate %d x %d process%s)",
+                     self.device, self.precision, self.model.num_parameters() / 1e6, len(self.train_idx),
+                     len(self.epoch_batches(1)), tc.max_tokens, tc.max_tokens * tc.accumulate * self.world,
+                     tc.max_tokens, tc.accumulate, self.world, "es" if self.world > 1 else "")
         bar = tqdm(total=tc.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=1.0)
+                   mininterval=1.0, disable=not main)
         batches = self._batches()
+        peak = matmul_gflops(self.device, self.precision, self.cfg.model.d_model, self.cfg.model.d_ff)
         window_loss = torch.zeros((), device=self.device)
-        window_tokens, window_start, window_first = 0, time.perf_counter(), self.state.step + 1
+        window_tokens, window_flops = 0, 0.0
+        window_start, window_first = time.perf_counter(), self.state.step + 1
         validated_at, reason = -1, ""
         self.model.train()
         with self._stop_on_signals():
             while not reason:
-                micro = [b for _, b in zip(range(tc.accumulate), batches)]
-                if not micro:
+                pairs = [p for _, p in zip(range(tc.accumulate), batches)]
+                if not pairs:
                     reason = f"train.max_epochs={tc.max_epochs} reached"
                     break
-                window_loss += self.train_step(micro)
-                window_tokens += sum(b.n_tgt_tokens for b in micro)
+                micro, global_tokens = [b for b, _ in pairs], sum(n for _, n in pairs)
+                window_loss += self.train_step(micro, global_tokens)
+                window_tokens += global_tokens
+                window_flops += sum(self.model.train_flops(b.src, b.tgt_out) for b in micro)  # host tensors
                 self.state.step += 1
-                self.state.target_tokens += sum(b.n_tgt_tokens for b in micro)
+                self.state.target_tokens += global_tokens
                 bar.update(1)
                 step = self.state.step
+                out_of_time, interrupted = self._agree(bool(tc.max_minutes and self.minutes() >= tc.max_minutes),
+                                                       self.stop_signal is not None)
                 if step >= tc.max_steps:
                     reason = f"train.max_steps={tc.max_steps} reached"
-                elif tc.max_minutes and self.minutes() >= tc.max_minutes:
+                elif out_of_time:
                     reason = f"train.max_minutes={tc.max_minutes:g} reached"
-                saving = step % tc.valid_every == 0 or reason or self.stop_signal
-                if step % tc.log_every == 0 or saving:
-                    loss = window_loss.item() / max(window_tokens, 1)  # the one host sync per window
+                if step % tc.log_every == 0 or step % tc.valid_every == 0 or reason or interrupted:
+                    loss = self._sum(window_loss) / max(window_tokens, 1)  # the one host sync per window
                     if not math.isfinite(loss):
                         bar.close()
                         last = self.run_dir / "checkpoints" / "last.pt"
@@ -247,20 +288,24 @@ class Trainer:
                     now = time.perf_counter()
                     lr = self.scheduler.get_last_lr()[0]
                     tok_s = window_tokens / max(now - window_start, 1e-9)
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+                    mfu = window_flops / max(now - window_start, 1e-9) / 1e9 / peak  # per device
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.0%}")
                     self.writer.add_scalar("train/loss", loss, step)
                     self.writer.add_scalar("train/lr", lr, step)
                     self.writer.add_scalar("train/tokens_per_sec", tok_s, step)
+                    self.writer.add_scalar("train/mfu", mfu, step)
                     window_loss.zero_()
-                    window_tokens, window_start, window_first = 0, now, step + 1
-                if self.stop_signal and not reason:
+                    window_tokens, window_flops, window_start, window_first = 0, 0.0, now, step + 1
+                if interrupted and not reason:
                     bar.close()
-                    save_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.checkpoint_state())
+                    state = self.checkpoint_state()
+                    if main:
+                        save_checkpoint(self.run_dir / "checkpoints" / "last.pt", state)
                     self.writer.close()
                     raise TrainingInterrupted(
-                        f"{self.stop_signal}: stopped after step {step}, saved {self.run_dir / 'checkpoints' / 'last.pt'}; "
-                        "continue with the same command plus --resume",
-                        130 if self.stop_signal == "SIGINT" else 143)
+                        f"{self.stop_signal or 'signal'}: stopped after step {step}, saved "
+                        f"{self.run_dir / 'checkpoints' / 'last.pt'}; continue with the same command plus --resume",
+                        143 if self.stop_signal == "SIGTERM" else 130)
                 if step % tc.valid_every == 0 or reason:
                     validated_at = step
                     if self.validate_and_save(bar) and not reason:
@@ -268,13 +313,29 @@ class Trainer:
         if validated_at != self.state.step:
             self.validate_and_save(bar)  # keep the final weights too
         bar.close()
-        log.info("stopped: %s", reason)
-        if tc.average_last > 1:
+        if main:
+            log.info("stopped: %s", reason)
+        if tc.average_last > 1 and main:
             self.average_and_validate(tc.average_last)
         self.writer.close()
         return {"steps": self.state.step, "epochs": self.state.epoch, "minutes": round(self.minutes(), 2),
                 "best_score": self.state.best_score, "best_step": self.state.best_step,
                 "target_tokens": self.state.target_tokens, "stopped": reason, "run_dir": str(self.run_dir)}
+
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Flags that any rank raised, seen by every rank (one tiny all-reduce per step under DDP)."""
+        if self.world == 1:
+            return flags
+        t = torch.tensor([float(f) for f in flags], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return tuple(bool(x) for x in t.tolist())
+
+    def _sum(self, t: torch.Tensor) -> float:
+        """A device scalar summed over ranks, as a Python float (a host sync)."""
+        if self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t)
+        return t.item()
 
     @contextlib.contextmanager
     def _stop_on_signals(self) -> Iterator[None]:
@@ -321,17 +382,24 @@ class Trainer:
                  ", ".join(p.stem.split("_")[1] for p in paths),
                  " ".join(f"{k} {v:.2f}" for k, v in metrics.items()), " (best: now best.pt)" if better else "")
 
-    def train_step(self, micro: list[Batch]) -> torch.Tensor:
-        """One optimizer update over `micro` batches; returns the summed loss (a device tensor)."""
+    def train_step(self, micro: list[Batch], global_tokens: Optional[int] = None) -> torch.Tensor:
+        """One optimizer update over `micro` batches; returns the summed loss (a device tensor).
+
+        The loss is normalised by the target tokens of the whole update over all ranks, known on the
+        host (no sync); DDP averages gradients over ranks, so each rank scales its share by the world size.
+        """
         tc = self.cfg.train
-        n_tokens = sum(b.n_tgt_tokens for b in micro)  # known on the host: no sync to normalise
+        n_tokens = global_tokens or sum(b.n_tgt_tokens for b in micro)
         total = torch.zeros((), device=self.device)
-        for batch in micro:
+        for i, batch in enumerate(micro):
             batch = batch.to(self.device)
-            with self.autocast():
-                logits = self.forward(batch.src, batch.tgt_in, batch.positions)  # (N, V): real tokens only
-            loss = label_smoothed_loss(logits, batch.targets, tc.label_smoothing)
-            self.scaler.scale(loss / n_tokens).backward()
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last or self.world == 1 else self._ddp().no_sync()
+            with sync:  # accumulation micro-steps skip the gradient all-reduce
+                with self.autocast():
+                    logits = self.forward(batch.src, batch.tgt_in, batch.positions)  # (N, V): real tokens only
+                loss = label_smoothed_loss(logits, batch.targets, tc.label_smoothing)
+                self.scaler.scale(loss * (self.world / n_tokens)).backward()
             total += loss.detach()
         if tc.clip_norm > 0:
             self.scaler.unscale_(self.optimizer)
@@ -341,6 +409,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return total
+
+    def _ddp(self) -> torch.nn.parallel.DistributedDataParallel:
+        f = self.forward
+        return getattr(f, "_orig_mod", f)  # under torch.compile, the wrapped DDP module
 
     # ------------------------------------------------------------------ validation and checkpoints
 
@@ -377,7 +449,25 @@ class Trainer:
         return metrics
 
     def validate_and_save(self, bar: Optional[tqdm] = None) -> bool:
-        """Validate, write checkpoints (last, step_N, best), and say whether to stop early."""
+        """Validate, write checkpoints (last, step_N, best), and say whether to stop early.
+
+        Under DDP rank 0 does this while the others wait; every rank learns the early-stop decision.
+        """
+        rng = self._gathered_rng()
+        stop = False
+        if self.rank == 0:
+            stop = self._validate_and_save(bar, rng)
+        return self._agree(stop)[0]
+
+    def _gathered_rng(self) -> Any:
+        """This process's RNG states, or every rank's (a list) under DDP, for the checkpoint."""
+        if self.world == 1:
+            return rng_state()
+        states: list[Any] = [None] * self.world
+        dist.all_gather_object(states, rng_state())
+        return states
+
+    def _validate_and_save(self, bar: Optional[tqdm], rng: Any) -> bool:
         step, tc = self.state.step, self.cfg.train
         metrics = self.validation_metrics()
         for k, v in metrics.items():
@@ -389,13 +479,13 @@ class Trainer:
             self.state.best_score, self.state.best_step, self.state.bad_validations = current, step, 0
         else:
             self.state.bad_validations += 1
-        self.save(best=improved)
+        self.save(best=improved, rng=rng)
         msg = " ".join(f"{k} {v:.2f}" for k, v in metrics.items())
         (bar.write if bar else log.info)(f"step {step}: valid {msg or '(no validation set)'}"
                                          f"{' (best)' if improved else ''}")
         return bool(tc.patience) and self.state.bad_validations >= tc.patience
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, rng: Any = None) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -404,15 +494,15 @@ class Trainer:
             "step": self.state.step,
             "train_state": {**dataclasses.asdict(self.state), "seconds": self.minutes() * 60},
             "metrics": self.metrics,
-            "rng": rng_state(),
+            "rng": rng if rng is not None else self._gathered_rng(),
             "config": self.cfg.to_dict(),
             "tokenizer": self.tokenizer.digest,
         }
 
-    def save(self, best: bool = False) -> None:
+    def save(self, best: bool = False, rng: Any = None) -> None:
         """step_N.pt (keep the newest train.keep_last), last.pt, and best.pt when improved."""
         ckpt_dir = self.run_dir / "checkpoints"
-        state = self.checkpoint_state()
+        state = self.checkpoint_state(rng)
         step_path = ckpt_dir / f"step_{self.state.step}.pt"
         save_checkpoint(ckpt_dir / "last.pt", state)
         if best:
@@ -421,6 +511,35 @@ class Trainer:
             save_checkpoint(step_path, state)
             for p in step_checkpoints(self.run_dir)[:-self.cfg.train.keep_last]:
                 p.unlink(missing_ok=True)
+
+
+def init_distributed(device: str) -> tuple[int, int, int]:
+    """(rank, world size, local rank); joins the process group when launched by torchrun.
+
+    NCCL on GPUs, gloo on CPU. A single process (plain `tmt train`) is rank 0 of 1.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        use_cuda = torch.cuda.is_available() and device in ("auto", "cuda")
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    if not dist.is_initialized():
+        return 0, 1, 0
+    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def matmul_gflops(device: torch.device, precision: str, d_model: int, d_ff: int, seconds: float = 0.3) -> float:
+    """Matmul GFLOP/s of the model's feed-forward shape in the training dtype: the MFU denominator."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    a = torch.randn(4096, d_model, device=device, dtype=dtype)
+    b = torch.randn(d_model, d_ff, device=device, dtype=dtype)
+    torch.mm(a, b)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(a, b)
+        n += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2.0 * 4096 * d_model * d_ff * n / (time.perf_counter() - t0) / 1e9
 
 
 def _seed_everything(seed: int) -> None:
@@ -444,6 +563,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _NullWriter:
+    """Stands in for the SummaryWriter on ranks other than 0."""
+
+    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class TrainingInterrupted(Exception):

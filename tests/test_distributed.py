@@ -1,0 +1,63 @@
+"""Data-parallel training (torchrun + DDP, gloo on CPU) equals one process with the same global batch."""
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer_mt.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def write_setup(root: Path, run: str, extra: str = "") -> Path:
+    corpus = root / "corpus"
+    if not corpus.exists():
+        corpus.mkdir(parents=True)
+        rng = random.Random(0)
+        words = "red blue green black white gold silver pink".split()
+        for split, n in (("train", 400), ("valid", 8)):
+            lines = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(n)]
+            (corpus / f"{split}.en").write_text("".join(x + "\n" for x in lines))
+            (corpus / f"{split}.de").write_text("".join(x.upper() + "\n" for x in lines))
+    cfg = root / f"{run}.yaml"
+    cfg.write_text(textwrap.dedent(f"""\
+        data: {{src_lang: en, tgt_lang: de, train: {corpus}/train, valid: {corpus}/valid}}
+        tokenizer: {{vocab_size: 80}}
+        model: {{d_model: 32, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 64, dropout: 0.0,
+                 max_positions: 64}}
+        train: {{max_steps: 4, valid_every: 4, log_every: 2, max_tokens: 300, warmup: 4, threads: 1,
+                 valid_bleu: false, device: cpu, seed: 5, adam_eps: 1.0{extra}}}
+        output_dir: {root / run}
+        """))
+    return cfg
+
+
+def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_path):
+    ddp_cfg = write_setup(tmp_path, "ddp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "transformer_mt", "train", str(ddp_cfg)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "effective batch <= 600 tokens (max_tokens 300 x accumulate 1 x 2 processes)" in proc.stderr
+    # One process, two batches per update: the same batches as the two ranks together. (adam_eps 1.0 keeps
+    # Adam's early updates proportional to the gradient; near 0 it would amplify rounding noise to +-lr.)
+    single_cfg = write_setup(tmp_path, "single", extra=", accumulate: 2")
+    (tmp_path / "single").mkdir()
+    shutil.copy(tmp_path / "ddp" / "spm.model", tmp_path / "single" / "spm.model")
+    assert main(["-q", "train", str(single_cfg)]) == 0
+    a = torch.load(tmp_path / "ddp" / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(tmp_path / "single" / "checkpoints" / "last.pt", weights_only=True)
+    assert a["step"] == b["step"] == 4  # 8 of the epoch's 9 batches: no epoch boundary inside
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], atol=1e-5, rtol=1e-4)
+    # Only rank 0 wrote TensorBoard events and checkpoints.
+    assert len(list((tmp_path / "ddp" / "tb").glob("events.*"))) == 1
+    assert isinstance(a["rng"], list) and len(a["rng"]) == 2
