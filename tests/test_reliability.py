@@ -196,8 +196,7 @@ def test_checkpoint_with_another_tokenizer_says_so(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus")
     cfg = write_config(tmp_path / "g.yaml", corpus, tmp_path / "g", max_steps=4, valid_every=2)
     assert main(["-q", "train", str(cfg)]) == 0
-    other = write_corpus(tmp_path / "other", seed=5)
-    (other / "train.en").write_text("völlig andere Zeichen ÄÖÜ\n" * 50, encoding="utf-8")
+    other = write_corpus(tmp_path / "other", seed=5)  # other sentences: another SentencePiece model
     cfg2 = write_config(tmp_path / "h.yaml", other, tmp_path / "h", max_steps=2, valid_every=2)
     assert main(["-q", "train", str(cfg2)]) == 0
     (tmp_path / "g" / "spm.model").write_bytes((tmp_path / "h" / "spm.model").read_bytes())
@@ -219,7 +218,7 @@ def _one_line_error(capsys, argv, *needles) -> None:
 
 
 @pytest.mark.parametrize("yaml_text, needles", [
-    ("model:\n  d_model: 64\n  heads: [\n", ["bad.yaml:3", "invalid YAML"]),
+    ("model:\n  d_model: 64\n  heads: 4: 5\n", ["bad.yaml:3", "invalid YAML"]),
     ("model:\n  d_modle: 64\n", ["bad.yaml:2", "model.d_modle", "did you mean d_model"]),
     ("train:\n  max_steps: many\n", ["bad.yaml:2", "train.max_steps", "integer"]),
     ("model:\n  dropout: 1.5\n", ["bad.yaml:2", "model.dropout", "[0, 1)"]),

@@ -2,7 +2,8 @@
 
 A checkpoint is a dict with `model` (state dict of the uncompiled module), `optimizer`,
 `scheduler`, `step`, `config` (the resolved config as plain data), `tokenizer` (hash of the
-SentencePiece models beside it), `version`, and `train_state` (the loop's resumable state).
+SentencePiece models), `spm` (the models themselves, so a copied checkpoint still translates),
+`version`, `metrics` (validation), `rng` and `train_state` (the loop's resumable state).
 """
 
 from __future__ import annotations
@@ -92,10 +93,13 @@ def load_for_inference(path: Path, device: torch.device | str = "cpu"
     ckpt = load_checkpoint(path)
     cfg = config_from_dict(ckpt["config"], source=f"{path} (saved config)")
     run_dir = run_dir_of(path)
-    try:
+    if Tokenizer.exists(run_dir):
         tokenizer = Tokenizer.load(run_dir)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{e}: the checkpoint needs the tokenizer of its run beside it") from None
+    elif ckpt.get("spm"):  # a checkpoint copied away from its run carries its SentencePiece model(s)
+        tokenizer = Tokenizer(ckpt["spm"]["src"], ckpt["spm"].get("tgt"))
+    else:
+        raise CheckpointError(f"no SentencePiece model beside {path} (spm.model in {run_dir}), and the "
+                              "checkpoint carries none: copy the run's spm*.model files next to it")
     if ckpt.get("tokenizer") not in (None, tokenizer.digest):
         raise CheckpointError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, but the SentencePiece "
                               f"model in {run_dir} is {tokenizer.digest}: they do not belong together")
@@ -131,7 +135,7 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
                                       "these checkpoints are not of one model")
             total[k] = total[k] + v.double() if k in total else v.double()
     model = {k: (v / len(paths)).to(ckpt["model"][k].dtype) for k, v in total.items()}
-    keep = {k: ckpt[k] for k in ("config", "tokenizer", "step") if k in ckpt}
+    keep = {k: ckpt[k] for k in ("config", "tokenizer", "spm", "step") if k in ckpt}
     return {**keep, "model": model, "averaged_steps": steps}
 
 

@@ -497,6 +497,7 @@ class Trainer:
             "rng": rng if rng is not None else self._gathered_rng(),
             "config": self.cfg.to_dict(),
             "tokenizer": self.tokenizer.digest,
+            "spm": {"src": self.tokenizer.src_bytes, "tgt": None if self.tokenizer.joint else self.tokenizer.tgt_bytes},
         }
 
     def save(self, best: bool = False, rng: Any = None) -> None:
@@ -530,8 +531,8 @@ def init_distributed(device: str) -> tuple[int, int, int]:
 def matmul_gflops(device: torch.device, precision: str, d_model: int, d_ff: int, seconds: float = 0.3) -> float:
     """Matmul GFLOP/s of the model's feed-forward shape in the training dtype: the MFU denominator."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    a = torch.randn(4096, d_model, device=device, dtype=dtype)
-    b = torch.randn(d_model, d_ff, device=device, dtype=dtype)
+    a = torch.full((4096, d_model), 0.5, device=device, dtype=dtype)  # no random numbers: resuming runs
+    b = torch.full((d_model, d_ff), 0.5, device=device, dtype=dtype)  # must draw exactly what straight runs draw
     torch.mm(a, b)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
