@@ -344,8 +344,8 @@ def test_load_tokenized_caches_and_keys_on_tokenizer_and_file(tmp_path, monkeypa
     cache = tmp_path / "cache"
 
     reads = []
-    real_read_split = data.read_split
-    monkeypatch.setattr(data, "read_split", lambda *a, **k: reads.append(a) or real_read_split(*a, **k))
+    real_iter_split = data.iter_split
+    monkeypatch.setattr(data, "iter_split", lambda *a, **k: reads.append(a) or real_iter_split(*a, **k))
 
     first = load_tokenized(cfg, "train", tok_a, cache)
     assert len(reads) == 1
@@ -354,14 +354,14 @@ def test_load_tokenized_caches_and_keys_on_tokenizer_and_file(tmp_path, monkeypa
     assert [first.tgt(i).tolist() for i in range(30)] == tok_a.encode_tgt([s.upper() for s in src])
 
     # Same corpus, same tokenizer: served from the cache, the corpus is not read again.
-    monkeypatch.setattr(data, "read_split", lambda *a, **k: pytest.fail("read the corpus despite the cache"))
+    monkeypatch.setattr(data, "iter_split", lambda *a, **k: pytest.fail("read the corpus despite the cache"))
     second = load_tokenized(cfg, "train", tok_a, cache)
     assert [second.src(i).tolist() for i in range(30)] == [first.src(i).tolist() for i in range(30)]
     assert [second.tgt(i).tolist() for i in range(30)] == [first.tgt(i).tolist() for i in range(30)]
     n_folders = len(list(cache.iterdir()))
 
     # Another tokenizer: a new cache entry, tokenized with that tokenizer.
-    monkeypatch.setattr(data, "read_split", lambda *a, **k: reads.append(a) or real_read_split(*a, **k))
+    monkeypatch.setattr(data, "iter_split", lambda *a, **k: reads.append(a) or real_iter_split(*a, **k))
     by_b = load_tokenized(cfg, "train", tok_b, cache)
     assert len(reads) == 2
     assert [by_b.src(i).tolist() for i in range(30)] == tok_b.encode_src(src)

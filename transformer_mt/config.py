@@ -46,7 +46,7 @@ class DataConfig:
     tgt_field: Optional[str] = None
     max_len: int = 256  # training pairs longer than this (in subword tokens) are dropped
     invalid_utf8: Literal["error", "replace"] = "error"  # text files: stop at file:line, or replace and count
-    cache_dir: Optional[str] = None  # tokenized-corpus cache; default: OUTPUT_DIR/cache
+    cache_dir: Optional[str] = None  # tokenized-corpus cache shared by runs; default $TMT_CACHE, ~/.cache/transformer_mt
 
     def __post_init__(self) -> None:
         _check(self.max_len >= 1, "data.max_len", f"must be >= 1, got {self.max_len}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
@@ -38,19 +39,68 @@ class DataError(UserError):
 
 
 def read_split(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
-    """Source and target sentences of one split (train/valid/test), line-aligned."""
+    """Source and target sentences of one split (train/valid/test), line-aligned, in memory."""
+    src, tgt = [], []
+    for s, t in iter_split(cfg, split):
+        src.append(s)
+        tgt.append(t)
+    return src, tgt
+
+
+def iter_split(cfg: DataConfig, split: str) -> Iterator[tuple[str, str]]:
+    """(source, target) pairs of one split, streamed: a corpus larger than memory can be read."""
     where = getattr(cfg, split)
     if where is None:
         raise DataError(f"data.{split} is not set in the config: give a "
                         + ("split name" if cfg.format == "hf" else "path") + f" for the {split} split")
     if cfg.format == "text":
         src_path, tgt_path = (text_file(where, lang) for lang in (cfg.src_lang, cfg.tgt_lang))
-        src, tgt = read_lines(src_path, cfg.invalid_utf8), read_lines(tgt_path, cfg.invalid_utf8)
-        if len(src) != len(tgt):
-            raise DataError(f"data.{split}: {src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
-                            "line N of one must translate line N of the other")
-        return src, tgt
-    return _read_records(cfg, split, where)
+        yield from _iter_text_pairs(src_path, tgt_path, split, cfg.invalid_utf8)
+    else:
+        yield from _iter_records(cfg, split, where)
+
+
+def _iter_text_pairs(src_path: Path, tgt_path: Path, split: str, invalid_utf8: str) -> Iterator[tuple[str, str]]:
+    """Line N of each file, decoded; a length mismatch is reported with both counts."""
+    replaced = {src_path: [0, 0], tgt_path: [0, 0]}  # lines replaced, first such line
+
+    def decode(raw: bytes, path: Path, n: int) -> str:
+        raw = raw.rstrip(b"\n").rstrip(b"\r")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if invalid_utf8 != "replace":
+                raise DataError(f"{path}:{n}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
+                                "re-encode the file as UTF-8, or set data.invalid_utf8: replace") from None
+            replaced[path][0] += 1
+            replaced[path][1] = replaced[path][1] or n
+            return raw.decode("utf-8", errors="replace")
+
+    with _open_binary(src_path) as fs, _open_binary(tgt_path) as ft:
+        n = 0
+        try:
+            for n, (bs, bt) in enumerate(itertools.zip_longest(fs, ft), 1):
+                if bs is None or bt is None:
+                    n_src = n - 1 + (bs is not None) + sum(1 for _ in fs)
+                    n_tgt = n - 1 + (bt is not None) + sum(1 for _ in ft)
+                    raise DataError(f"data.{split}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
+                                    "line N of one must translate line N of the other")
+                yield decode(bs, src_path, n), decode(bt, tgt_path, n)
+        except (OSError, EOFError) as e:
+            raise DataError(f"cannot read corpus file {src_path} or {tgt_path} (line {n}): {e}") from None
+    for path, (count, first) in replaced.items():
+        if count:
+            log.warning("%s: %d line(s) with invalid UTF-8 (first: line %d); bytes replaced by U+FFFD",
+                        path, count, first)
+
+
+def _open_binary(path: Path):
+    try:
+        return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    except FileNotFoundError:
+        raise DataError(f"corpus file not found: {path}") from None
+    except OSError as e:
+        raise DataError(f"cannot read corpus file {path}: {e.strerror}") from None
 
 
 def text_file(prefix: str, lang: str) -> Path:
@@ -100,8 +150,9 @@ def _is_utf8(data: bytes) -> bool:
         return False
 
 
-def _read_records(cfg: DataConfig, split: str, where: str) -> tuple[list[str], list[str]]:
-    """TSV/JSONL through `datasets`' csv/json loaders, or a dataset from the Hugging Face hub."""
+def _iter_records(cfg: DataConfig, split: str, where: str) -> Iterator[tuple[str, str]]:
+    """TSV/JSONL through `datasets`' csv/json loaders, or a dataset from the Hugging Face hub
+    (rows come from memory-mapped Arrow files, not from RAM)."""
     src_field, tgt_field = cfg.fields
     if cfg.format == "tsv":
         if not Path(where).is_file():
@@ -115,9 +166,9 @@ def _read_records(cfg: DataConfig, split: str, where: str) -> tuple[list[str], l
         ds = _datasets().load_dataset("json", data_files={split: where}, split=split)
     else:
         ds = load_hub_dataset(cfg.dataset, cfg.dataset_config, where)
-    src = [_field(row, src_field, f"data.{split}", "src_field") for row in ds]
-    tgt = [_field(row, tgt_field, f"data.{split}", "tgt_field") for row in ds]
-    return src, tgt
+    for row in ds:
+        yield (_field(row, src_field, f"data.{split}", "src_field"),
+               _field(row, tgt_field, f"data.{split}", "tgt_field"))
 
 
 def _field(row: dict, dotted: str, where: str, key: str) -> str:
@@ -200,35 +251,75 @@ class TokenizedCorpus:
 
     @classmethod
     def from_lists(cls, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]]) -> "TokenizedCorpus":
-        return cls(*_flatten(src), *_flatten(tgt))
+        (src_ids, src_lens), (tgt_ids, tgt_lens) = _flatten(src), _flatten(tgt)
+        return cls(src_ids, _offsets(src_lens), tgt_ids, _offsets(tgt_lens))
 
     def save(self, folder: Path) -> None:
-        """Write the four arrays into a new folder, renamed into place when complete."""
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for name in ("src_ids", "src_offsets", "tgt_ids", "tgt_offsets"):
-            np.save(tmp / f"{name}.npy", getattr(self, name))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        """Write the arrays into a new folder, renamed into place when complete."""
+        with _CorpusWriter(folder) as w:
+            w.add(self.src_ids, np.diff(self.src_offsets), self.tgt_ids, np.diff(self.tgt_offsets))
 
     @classmethod
     def load(cls, folder: Path) -> "TokenizedCorpus":
-        return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r")
-                     for name in ("src_ids", "src_offsets", "tgt_ids", "tgt_offsets")))
+        """Token ids stay on disk (memory-mapped): only the pages a batch touches are read."""
+        def ids(name: str) -> np.ndarray:
+            path = folder / f"{name}.bin"
+            return np.memmap(path, dtype=np.int32, mode="r") if path.stat().st_size else np.zeros(0, np.int32)
+
+        return cls(ids("src_ids"), np.load(folder / "src_offsets.npy"), ids("tgt_ids"),
+                   np.load(folder / "tgt_offsets.npy"))
+
+
+class _CorpusWriter:
+    """Appends tokenized chunks to raw int32 files; offsets and the final rename come at the end."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+
+    def __enter__(self) -> "_CorpusWriter":
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.files = [open(self.tmp / "src_ids.bin", "wb"), open(self.tmp / "tgt_ids.bin", "wb")]
+        self.lens: list[list[np.ndarray]] = [[], []]
+        return self
+
+    def add(self, src_ids: np.ndarray, src_lens: np.ndarray, tgt_ids: np.ndarray, tgt_lens: np.ndarray) -> None:
+        for side, (ids, lens) in enumerate(((src_ids, src_lens), (tgt_ids, tgt_lens))):
+            self.files[side].write(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
+            self.lens[side].append(np.asarray(lens, dtype=np.int64))
+
+    def __exit__(self, exc_type, *rest) -> None:
+        for f in self.files:
+            f.close()
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        for side, name in enumerate(("src", "tgt")):
+            lens = np.concatenate(self.lens[side]) if self.lens[side] else np.zeros(0, np.int64)
+            offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offsets[1:])
+            np.save(self.tmp / f"{name}_offsets.npy", offsets)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        os.replace(self.tmp, self.folder)
 
 
 def _flatten(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists -> (flat int32 ids, int64 lengths)."""
     lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(lens.sum()))
+    return flat, lens
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1]))
-    return flat, offsets
+    return offsets
 
 
 def corpus_key(cfg: DataConfig, split: str, tokenizer: Tokenizer) -> str:
     """Identifies a tokenized split: the corpus (files with size and mtime, or hub name) + tokenizer."""
-    ident: dict = {"format": cfg.format, "split": getattr(cfg, split), "fields": cfg.fields,
+    ident: dict = {"cache_format": 2, "format": cfg.format, "split": getattr(cfg, split), "fields": cfg.fields,
                    "tokenizer": tokenizer.digest}
     if cfg.format == "text":
         files = [text_file(getattr(cfg, split), lang) for lang in (cfg.src_lang, cfg.tgt_lang)]
@@ -241,17 +332,34 @@ def corpus_key(cfg: DataConfig, split: str, tokenizer: Tokenizer) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_tokenized(cfg: DataConfig, split: str, tokenizer: Tokenizer, cache_dir: Path) -> TokenizedCorpus:
-    """Tokenize a split once and cache it; later calls (and later runs) read the cache."""
+def cache_dir(cfg: DataConfig) -> Path:
+    """data.cache_dir, else $TMT_CACHE, else ~/.cache/transformer_mt: shared by runs, keyed per corpus."""
+    return Path(cfg.cache_dir or os.environ.get("TMT_CACHE") or Path.home() / ".cache" / "transformer_mt")
+
+
+def load_tokenized(cfg: DataConfig, split: str, tokenizer: Tokenizer, cache_dir: Path,
+                   chunk_size: int = 50_000) -> TokenizedCorpus:
+    """Tokenize a split once, in chunks, into a cache of token-id arrays that later calls (and later
+    runs) memory-map; memory stays bounded by the chunk, whatever the corpus size."""
     folder = Path(cache_dir) / f"{split}-{corpus_key(cfg, split, tokenizer)}"
     if (folder / "tgt_offsets.npy").exists():
         return TokenizedCorpus.load(folder)
-    src, tgt = read_split(cfg, split)
-    if not src:
-        raise DataError(f"data.{split}: the corpus is empty")
-    corpus = TokenizedCorpus.from_lists(tokenizer.encode_src(src), tokenizer.encode_tgt(tgt))
-    corpus.save(folder)
+    n = 0
+    with _CorpusWriter(folder) as writer:
+        for chunk in _chunks(iter_split(cfg, split), chunk_size):
+            src_ids = tokenizer.encode_src([s for s, _ in chunk])  # SentencePiece encodes on all cores
+            tgt_ids = tokenizer.encode_tgt([t for _, t in chunk])
+            writer.add(*_flatten(src_ids), *_flatten(tgt_ids))
+            n += len(chunk)
+        if n == 0:
+            raise DataError(f"data.{split}: the corpus is empty")
     return TokenizedCorpus.load(folder)
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    it = iter(items)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
 
 
 def usable_indices(corpus: TokenizedCorpus, max_len: int, split: str) -> np.ndarray:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
@@ -18,6 +19,7 @@ from .errors import UserError
 from .fileio import atomic_write
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
+_THREADS = max(1, os.cpu_count() or 1)  # SentencePiece encodes batches in parallel C++ threads
 
 
 class Tokenizer:
@@ -47,10 +49,10 @@ class Tokenizer:
         return h.hexdigest()[:16]
 
     def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
-        return self.src.encode(list(lines))
+        return self.src.encode(list(lines), num_threads=_THREADS)
 
     def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
-        return self.tgt.encode(list(lines))
+        return self.tgt.encode(list(lines), num_threads=_THREADS)
 
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
         return self.tgt.decode([list(x) for x in ids])
@@ -80,20 +82,33 @@ class Tokenizer:
         return (run_dir / "spm.model").exists() or (run_dir / "spm.src.model").exists()
 
 
-def train_tokenizer(cfg: TokenizerConfig, src_lines: Sequence[str], tgt_lines: Sequence[str],
+def train_tokenizer(cfg: TokenizerConfig, src_lines: Iterable[str], tgt_lines: Iterable[str],
                     seed: int = 1) -> Tokenizer:
-    """Train SentencePiece on the training split: one joint model, or one per language."""
+    """Train SentencePiece on the training split: one joint model, or one per language.
+
+    The lines may be streamed: SentencePiece keeps a random sample of at most
+    `tokenizer.max_sentences` of them, so memory does not grow with the corpus.
+    """
     if cfg.joint:
-        return Tokenizer(_train_one(cfg, [*src_lines, *tgt_lines], seed))
+        return Tokenizer(_train_one(cfg, itertools.chain(src_lines, tgt_lines), seed))
     return Tokenizer(_train_one(cfg, src_lines, seed), _train_one(cfg, tgt_lines, seed))
 
 
 def _train_one(cfg: TokenizerConfig, lines: Iterable[str], seed: int) -> bytes:
     buf = io.BytesIO()
     spm.set_random_generator_seed(seed)
+    failed: list[BaseException] = []
+
+    def guarded() -> Iterator[str]:
+        """Feed SentencePiece; an error from reading the corpus is kept and raised as it is."""
+        try:
+            yield from (line for line in lines if line.strip())
+        except Exception as e:  # noqa: BLE001  re-raised below, after SentencePiece returns
+            failed.append(e)
+
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=(line for line in lines if line.strip()),
+            sentence_iterator=guarded(),
             model_writer=buf,
             model_type=cfg.type,
             vocab_size=cfg.vocab_size,
@@ -106,6 +121,10 @@ def _train_one(cfg: TokenizerConfig, lines: Iterable[str], seed: int) -> bytes:
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. a vocabulary smaller than the corpus's character set
+        if failed:
+            raise failed[0] from None
         raise UserError(f"config error: tokenizer.vocab_size={cfg.vocab_size} does not fit this corpus: "
                         f"SentencePiece says: {str(e).strip().splitlines()[-1]}") from None
+    if failed:
+        raise failed[0]
     return buf.getvalue()

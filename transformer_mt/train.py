@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from .checkpoint import CheckpointError, average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints
 from .config import Config, save_config
-from .data import (Batch, DataError, TokenizedCorpus, collate, load_tokenized, make_batches, read_split,
-                   usable_indices)
+from .data import (Batch, DataError, TokenizedCorpus, cache_dir, collate, iter_split, load_tokenized,
+                   make_batches, read_split, usable_indices)
 from .errors import UserError
 from .evaluate import score
 from .model import Transformer, build_model
@@ -101,7 +101,7 @@ class Trainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 save_config(cfg, self.run_dir / "config.yaml")
             self.tokenizer = self._tokenizer()
-            cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "cache"
+            cache = cache_dir(cfg.data)
             self.train_data = load_tokenized(cfg.data, "train", self.tokenizer, cache)
             self.valid_data: Optional[TokenizedCorpus] = None
             if cfg.data.valid is not None:
@@ -187,10 +187,11 @@ class Trainer:
             return Tokenizer.load(self.run_dir)
         log.info("training SentencePiece (%s, %d pieces, %s) on the training split", self.cfg.tokenizer.type,
                  self.cfg.tokenizer.vocab_size, "joint" if self.cfg.tokenizer.joint else "separate")
-        src, tgt = read_split(self.cfg.data, "train")
-        if not src:
+        pairs = lambda: iter_split(self.cfg.data, "train")  # noqa: E731  streamed, twice
+        if next(pairs(), None) is None:
             raise DataError("data.train: the corpus is empty")
-        tok = train_tokenizer(self.cfg.tokenizer, src, tgt, seed=self.cfg.train.seed)
+        tok = train_tokenizer(self.cfg.tokenizer, (s for s, _ in pairs()), (t for _, t in pairs()),
+                              seed=self.cfg.train.seed)
         tok.save(self.run_dir)
         return tok
 
@@ -280,7 +281,8 @@ class Trainer:
                     if not math.isfinite(loss):
                         bar.close()
                         last = self.run_dir / "checkpoints" / "last.pt"
-                        kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written yet"
+                        kept = (f"the last good checkpoint is {last}" if last.exists()
+                                else "no checkpoint was written yet")
                         raise TrainingDiverged(
                             f"the training loss became {loss} between steps {window_first} and {step}; stopped, "
                             f"{kept} (lower train.lr_factor, raise train.warmup or set train.clip_norm)")
