@@ -85,6 +85,26 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
+RECIPE_KEYS = [("model", "d_model"), ("model", "encoder_layers"), ("model", "d_ff"), ("model", "dropout"),
+               ("model", "norm"), ("tokenizer", "vocab_size"), ("train", "max_tokens"), ("train", "warmup"),
+               ("train", "lr_factor"), ("train", "label_smoothing"), ("train", "precision"),
+               ("train", "max_minutes"), ("train", "average_last"), ("decode", "alpha")]
+
+
+def record_experiment(res: dict, config: str, run_dir: Path, result: dict) -> None:
+    """Append a recipe run (its settings and scores) to the history behind docs/multi30k.md."""
+    cfg = yaml.safe_load((ROOT / run_dir / "config.yaml").read_text())
+    entry = {"date": res["date"], "config": config, **{f"{a}.{b}": cfg[a][b] for a, b in RECIPE_KEYS},
+             **{k: result[k] for k in ("bleu", "chrf", "steps", "train_minutes", "beam", "evaluated")}}
+    history = [h for h in res.get("history", []) if h["date"] != entry["date"]]
+    res["history"] = history + [entry]
+    head = ["date", *[f"{a}.{b}" for a, b in RECIPE_KEYS], "steps", "train_minutes", "evaluated", "beam", "bleu",
+            "chrf"]
+    rows = ["| " + " | ".join(h.split(".")[-1] for h in head) + " |", "|" + " --- |" * len(head)]
+    rows += ["| " + " | ".join(str(e.get(h, "")) for h in head) + " |" for e in res["history"]]
+    replace_section(ROOT / "docs" / "multi30k.md", "experiments", "\n".join(rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="configs/multi30k_en_de_local.yaml")
@@ -103,6 +123,7 @@ def main() -> int:
         res["recipe_config"] = args.recipe
         run_dir = yaml.safe_load((ROOT / args.recipe).read_text())["output_dir"]  # the user's own command
         res["recipe"] = train_and_evaluate(args.recipe, Path(run_dir), [], train=not args.evaluate_only)
+        record_experiment(res, args.recipe, Path(run_dir), res["recipe"])
         log(f"recipe: BLEU {res['recipe']['bleu']} in {res['recipe']['train_minutes']} min")
     if args.budget:
         m = args.budget
