@@ -58,7 +58,7 @@ def main() -> int:
         tokenizer: {{vocab_size: 8000, max_sentences: 1000000}}
         model: {{d_model: 256, heads: 4, encoder_layers: 3, decoder_layers: 3, d_ff: 1024}}
         train: {{max_steps: 50, valid_every: 1000000, log_every: 10, valid_bleu: false, keep_last: 0,
-                 precision: bf16}}
+                 max_tokens: 2048}}
         output_dir: {work}/run
         """))
     import shutil
@@ -90,7 +90,7 @@ def main() -> int:
         | SentencePiece training (streamed, sample of 1M lines) | {res['tokenizer_seconds']} | | |
         | tokenization into the memory-mapped cache | {res['tokenize_seconds']} | {res['tokenize_pairs_per_second']:,} | |
         | preparation as a whole | {res['tokenizer_seconds'] + res['tokenize_seconds']:.1f} | {res['prepare_pairs_per_second']:,} | {res['prepare_peak_rss_mb']:,} |
-        | training, first 50 steps (d 256, bf16) | {res['train_50_steps_seconds']} | | {res['train_peak_rss_mb']:,} |
+        | training, first 50 steps (d 256, 2,048-token batches) | {res['train_50_steps_seconds']} | | {res['train_peak_rss_mb']:,} |
         """))
     print(json.dumps(res, indent=2))
     return 0

@@ -291,7 +291,9 @@ class Trainer:
                     lr = self.scheduler.get_last_lr()[0]
                     tok_s = window_tokens / max(now - window_start, 1e-9)
                     mfu = window_flops / max(now - window_start, 1e-9) / 1e9 / peak  # per device
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.0%}")
+                    budget = {"min": f"{self.minutes():.1f}/{tc.max_minutes:g}"} if tc.max_minutes else {}
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.0%}",
+                                    **budget)
                     self.writer.add_scalar("train/loss", loss, step)
                     self.writer.add_scalar("train/lr", lr, step)
                     self.writer.add_scalar("train/tokens_per_sec", tok_s, step)
