@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import textwrap
@@ -40,6 +39,15 @@ print(json.dumps({"pairs": len(corpus), "tokens": int(corpus.src_offsets[-1] + c
 """
 
 
+TRAIN = """
+import json, resource, sys
+from transformer_mt.cli import main
+rc = main(["-q", "train", sys.argv[1]])
+print(json.dumps({"rc": rc, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+sys.exit(rc)
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=2_000_000)
@@ -67,18 +75,16 @@ def main() -> int:
     shutil.rmtree(work / "cache", ignore_errors=True)
     out = subprocess.run([sys.executable, "-c", PREPARE, str(cfg)], check=True, capture_output=True, text=True)
     prep = json.loads(out.stdout.strip().splitlines()[-1])
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "transformer_mt", "-q", "train", str(cfg)], check=True)
-    train_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    out = subprocess.run([sys.executable, "-c", TRAIN, str(cfg)], check=True, capture_output=True, text=True)
+    train_rss = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
     res = {"pairs": prep["pairs"], "tokens": prep["tokens"], "generate_seconds": round(generate_s, 1),
            "tokenizer_seconds": round(prep["tokenizer_seconds"], 1), "tokenize_seconds": round(prep["tokenize_seconds"], 1),
            "prepare_pairs_per_second": round(prep["pairs"] / (prep["tokenizer_seconds"] + prep["tokenize_seconds"])),
            "tokenize_pairs_per_second": round(prep["pairs"] / prep["tokenize_seconds"]),
            "prepare_peak_rss_mb": round(prep["peak_rss_mb"]),
            "train_50_steps_seconds": round(time.perf_counter() - t0, 1),
-           # RUSAGE_CHILDREN keeps the largest child so far: only meaningful if training was the largest
-           "train_peak_rss_mb": round(max(train_rss, before) / 1024), "date": time.strftime("%Y-%m-%d %H:%M")}
+           "train_peak_rss_mb": round(train_rss), "date": time.strftime("%Y-%m-%d %H:%M")}
     Path(args.json).write_text(json.dumps(res, indent=2))
     replace_section(ROOT / "BENCHMARKS.md", "bigcorpus", textwrap.dedent(f"""\
         ## A corpus of {res['pairs']:,} pairs ({res['tokens'] / 1e6:.0f}M tokens), generated
