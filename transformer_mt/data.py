@@ -60,22 +60,35 @@ def iter_split(cfg: DataConfig, split: str) -> Iterator[tuple[str, str]]:
         yield from _iter_records(cfg, split, where)
 
 
-def _iter_text_pairs(src_path: Path, tgt_path: Path, split: str, invalid_utf8: str) -> Iterator[tuple[str, str]]:
-    """Line N of each file, decoded; a length mismatch is reported with both counts."""
-    replaced = {src_path: [0, 0], tgt_path: [0, 0]}  # lines replaced, first such line
+class _LineDecoder:
+    """Decodes one file's lines: invalid UTF-8 stops at file:line (`error`) or is replaced and
+    counted for one warning at the end (`replace`) — never a deep traceback."""
 
-    def decode(raw: bytes, path: Path, n: int) -> str:
+    def __init__(self, path: Path, invalid_utf8: str):
+        self.path, self.replace = path, invalid_utf8 == "replace"
+        self.replaced, self.first = 0, 0
+
+    def __call__(self, raw: bytes, n: int) -> str:
         raw = raw.rstrip(b"\n").rstrip(b"\r")
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            if invalid_utf8 != "replace":
-                raise DataError(f"{path}:{n}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
+            if not self.replace:
+                raise DataError(f"{self.path}:{n}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
                                 "re-encode the file as UTF-8, or set data.invalid_utf8: replace") from None
-            replaced[path][0] += 1
-            replaced[path][1] = replaced[path][1] or n
+            self.replaced += 1
+            self.first = self.first or n
             return raw.decode("utf-8", errors="replace")
 
+    def warn(self) -> None:
+        if self.replaced:
+            log.warning("%s: %d line(s) with invalid UTF-8 (first: line %d); bytes replaced by U+FFFD",
+                        self.path, self.replaced, self.first)
+
+
+def _iter_text_pairs(src_path: Path, tgt_path: Path, split: str, invalid_utf8: str) -> Iterator[tuple[str, str]]:
+    """Line N of each file, decoded; a length mismatch is reported with both counts."""
+    decode_src, decode_tgt = _LineDecoder(src_path, invalid_utf8), _LineDecoder(tgt_path, invalid_utf8)
     with _open_binary(src_path) as fs, _open_binary(tgt_path) as ft:
         n = 0
         try:
@@ -85,13 +98,11 @@ def _iter_text_pairs(src_path: Path, tgt_path: Path, split: str, invalid_utf8: s
                     n_tgt = n - 1 + (bt is not None) + sum(1 for _ in ft)
                     raise DataError(f"data.{split}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
                                     "line N of one must translate line N of the other")
-                yield decode(bs, src_path, n), decode(bt, tgt_path, n)
+                yield decode_src(bs, n), decode_tgt(bt, n)
         except (OSError, EOFError) as e:
             raise DataError(f"cannot read corpus file {src_path} or {tgt_path} (line {n}): {e}") from None
-    for path, (count, first) in replaced.items():
-        if count:
-            log.warning("%s: %d line(s) with invalid UTF-8 (first: line %d); bytes replaced by U+FFFD",
-                        path, count, first)
+    decode_src.warn()
+    decode_tgt.warn()
 
 
 def _open_binary(path: Path):
@@ -113,41 +124,16 @@ def text_file(prefix: str, lang: str) -> Path:
 
 
 def read_lines(path: str | os.PathLike, invalid_utf8: str = "error") -> list[str]:
-    """All lines of a UTF-8 text file (optionally .gz), without line endings.
-
-    Invalid UTF-8 is reported with file and line (`error`), or replaced by U+FFFD and counted
-    in a warning (`replace`) — never a deep traceback.
-    """
+    """All lines of a UTF-8 text file (optionally .gz), without line endings."""
     path = Path(path)
-    try:
-        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise DataError(f"corpus file not found: {path}") from None
-    except (OSError, EOFError) as e:
-        raise DataError(f"cannot read corpus file {path}: {e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        if invalid_utf8 != "replace":
-            raise DataError(f"{path}:{line}: invalid UTF-8 ({e.reason} at byte {e.start}); re-encode the file "
-                            "as UTF-8, or set data.invalid_utf8: replace") from None
-        text = raw.decode("utf-8", errors="replace")
-        bad = sum(not _is_utf8(ln) for ln in raw.split(b"\n"))
-        log.warning("%s: %d line(s) with invalid UTF-8 (first: line %d); bytes replaced by U+FFFD", path, bad, line)
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [line.rstrip("\r") for line in lines]
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
+    decode = _LineDecoder(path, invalid_utf8)
+    with _open_binary(path) as f:
+        try:
+            lines = [decode(raw, n) for n, raw in enumerate(f, 1)]
+        except (OSError, EOFError) as e:
+            raise DataError(f"cannot read corpus file {path}: {e}") from None
+    decode.warn()
+    return lines
 
 
 def _iter_records(cfg: DataConfig, split: str, where: str) -> Iterator[tuple[str, str]]:
