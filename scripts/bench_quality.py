@@ -88,7 +88,7 @@ def report(res: dict) -> str:
 RECIPE_KEYS = [("model", "d_model"), ("model", "encoder_layers"), ("model", "d_ff"), ("model", "dropout"),
                ("model", "norm"), ("tokenizer", "vocab_size"), ("train", "max_tokens"), ("train", "warmup"),
                ("train", "lr_factor"), ("train", "label_smoothing"), ("train", "precision"),
-               ("train", "max_minutes"), ("train", "average_last"), ("decode", "alpha")]
+               ("train", "max_minutes"), ("train", "save_every"), ("train", "average_last"), ("decode", "alpha")]
 
 
 def record_experiment(res: dict, config: str, run_dir: Path, result: dict) -> None:

@@ -149,3 +149,12 @@ def test_training_averages_the_last_checkpoints(tmp_path):
     averaged = torch.load(tmp_path / "run" / "checkpoints" / "averaged.pt", weights_only=True)
     assert averaged["averaged_steps"] == [2, 4, 6]
     assert "loss" in averaged["metrics"]
+
+
+def test_save_every_writes_step_checkpoints_between_validations(tmp_path):
+    write_copy_corpus(tmp_path, n_train=200)
+    Trainer(tiny_config(tmp_path, max_steps=8, valid_every=4, save_every=2, keep_last=3, average_last=3)).train()
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*.pt"))
+    assert names == ["step_4.pt", "step_6.pt", "step_8.pt"]  # 2 was written, then pruned by keep_last
+    averaged = torch.load(tmp_path / "run" / "checkpoints" / "averaged.pt", weights_only=True)
+    assert averaged["averaged_steps"] == [4, 6, 8]

@@ -124,6 +124,7 @@ class TrainConfig:
     valid_bleu: bool = True  # decode the whole validation set (greedy unless valid_beam > 1)
     valid_beam: int = 1
     keep_last: int = 3  # step_N.pt checkpoints kept besides last.pt and best.pt
+    save_every: int = 0  # also write step_N.pt every N steps between validations (to average); 0 = at validations
     patience: int = 0  # stop after this many validations without a new best; 0 = never
     average_last: int = 0  # at the end, average the newest N step checkpoints (averaged.pt; best.pt if better)
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
@@ -140,6 +141,7 @@ class TrainConfig:
                f"must be in [0, 1), got {self.label_smoothing}")
         _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")
+        _check(self.save_every >= 0, "train.save_every", f"must be >= 0, got {self.save_every}")
         _check(self.patience >= 0, "train.patience", f"must be >= 0, got {self.patience}")
         _check(self.max_minutes >= 0, "train.max_minutes", f"must be >= 0, got {self.max_minutes}")
         _check(self.average_last >= 0, "train.average_last", f"must be >= 0, got {self.average_last}")

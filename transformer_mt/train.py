@@ -314,6 +314,10 @@ class Trainer:
                     validated_at = step
                     if self.validate_and_save(bar) and not reason:
                         reason = f"no better validation score in train.patience={tc.patience} validations"
+                elif tc.save_every and step % tc.save_every == 0:
+                    rng = self._gathered_rng()  # every rank takes part; rank 0 writes
+                    if main:
+                        self.save(rng=rng)
         if validated_at != self.state.step:
             self.validate_and_save(bar)  # keep the final weights too
         bar.close()
