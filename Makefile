@@ -34,7 +34,7 @@ bench: install
 
 # The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.
 bench-quality: install
-	$(PY) scripts/bench_quality.py --budget 20
+	$(PY) scripts/bench_quality.py --budget 20 --fp32-steps 600
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache

@@ -198,6 +198,36 @@ def peers_ready() -> bool:
     return PEERS_KIT.is_dir() and (PEERS_DIR / "data" / ".prepared").exists()
 
 
+def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
+    """Beam-4 decoding of test_2016_flickr by ours and fairseq-generate, each with its model trained for the same
+    budget by `make bench-quality`, interleaved `rounds` times; medians of sentences/s."""
+    ours_run = ROOT / "runs" / f"budget_{minutes}min"
+    fs_ckpt = PEERS_DIR / "runs" / f"fairseq_budget_{minutes}min" / "checkpoints" / "checkpoint_last.pt"
+    if not (ours_run / "checkpoints" / "best.pt").exists() or not fs_ckpt.exists():
+        return None
+    test = MULTI30K / "test_2016_flickr"
+    speeds: dict[str, list[float]] = {"transformer-mt": [], "fairseq": []}
+    scores: dict[str, dict] = {}
+    for r in range(rounds):
+        log(f"decoding round {r + 1}/{rounds}: ours")
+        out = subprocess.run([sys.executable, "-m", "transformer_mt", "evaluate", "-c", str(ours_run),
+                              "--src", f"{test}.en.gz", "--ref", f"{test}.de.gz", "--beam", "4", "--alpha", "1.0",
+                              "--max-len", "0", "200", "--json"], cwd=ROOT, capture_output=True, text=True)
+        if out.returncode != 0:
+            log(f"ours failed to decode: {out.stderr.strip()[-300:]}")
+            return None
+        o = json.loads(out.stdout)
+        speeds["transformer-mt"].append(o["sentences_per_second"])
+        scores["transformer-mt"] = {"bleu": o["bleu"], "signature": o["bleu_signature"]}
+        log(f"decoding round {r + 1}/{rounds}: fairseq")
+        f = run_peer("decode_speed.sh", "fairseq", str(fs_ckpt), "64")
+        if not f:
+            return None
+        speeds["fairseq"].append(float(f["decode_sent_per_s"]))
+        scores["fairseq"] = {"bleu": float(f["bleu"]), "signature": f.get("signature", "")}
+    return {name: {"sent_s": statistics.median(v), "runs": v, **scores[name]} for name, v in speeds.items()}
+
+
 # --------------------------------------------------------------------------- scaling
 
 
@@ -288,10 +318,18 @@ def write_report(res: dict, path: Path) -> None:
     lines += ["", "The cost per step stays flat as the output grows: each step attends over cached keys and "
               "values instead of re-running the prefix.", ""]
     if res.get("decoding"):
+        d = res["decoding"]
         lines += ["### Beam-4 decoding of test_2016_flickr (1,000 sentences)", "",
-                  "| contender | sentences/s | BLEU | signature |", "| --- | ---: | ---: | --- |"]
-        for name, v in res["decoding"].items():
-            lines.append(f"| {name} | {v['sent_s']:.1f} | {v.get('bleu', '')} | {v.get('signature', '')} |")
+                  f"Each toolkit's model trained for the same {res['decoding_minutes']}-minute budget "
+                  "(`make bench-quality`); beam 4, length penalty 1.0, at most 200 output tokens; ours batches by "
+                  "source tokens (`decode.max_tokens`), fairseq-generate by 64 sentences (`decode_speed.sh`). "
+                  f"Median of {len(d['fairseq']['runs'])} interleaved runs; model loading excluded for both.", "",
+                  "| contender | sentences/s | runs | × fairseq | BLEU | signature |",
+                  "| --- | ---: | --- | ---: | ---: | --- |"]
+        for name, v in d.items():
+            lines.append(f"| {name} | {v['sent_s']:.1f} | {', '.join(f'{x:.1f}' for x in v['runs'])} | "
+                         f"{_ratio(v['sent_s'], d['fairseq']['sent_s'])} | {v.get('bleu', '')} | "
+                         f"`{v.get('signature', '')}` |")
         lines.append("")
     for note in res.get("notes", []):
         lines.append(f"- {note}")
@@ -312,6 +350,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
     ap.add_argument("--peer-updates", type=int, default=60, help="updates for each peer's throughput run")
     ap.add_argument("--no-peers", action="store_true", help="skip fairseq and JoeyNMT")
+    ap.add_argument("--decode-minutes", type=int, default=20,
+                    help="compare decoding on the models that make bench-quality trained for this many minutes")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 10 steps, no peers")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--json", default=str(ROOT / "bench.json"))
@@ -378,6 +418,12 @@ def main() -> int:
                 out = run_peer("train_throughput.sh", peer, str(args.peer_updates))
                 if out:
                     res["peers"][peer] = {"tok_s": float(out["tgt_tok_per_s"]), "peak_rss_mb": out.get("peak_rss_mb")}
+            log("beam-4 decoding side by side (models from make bench-quality)")
+            res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
+            res["decoding_minutes"] = args.decode_minutes
+            if res["decoding"] is None:
+                res["notes"].append(f"decoding not compared: run `make bench-quality` first (it trains ours and "
+                                    f"fairseq for {args.decode_minutes} minutes each)")
         else:
             res["notes"].append("peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)")
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -2,11 +2,12 @@
 
   recipe  tmt train configs/multi30k_en_de_local.yaml into a clean run directory, then
           tmt evaluate on test_2016_flickr (beam 4): BLEU, chrF, TER with signatures, minutes, steps, tok/s.
-  budget  (--budget M) ours with the peers' model and M minutes of training, beside
+  budget  (--budget M) the recipe with M minutes of training (the same model as the peers'), beside
           ../shared/peers/budget.sh fairseq M: BLEU and beam-4 decoding speed of both.
 
 Writes the `quality` section of BENCHMARKS.md and bench_quality.json.
-usage: python scripts/bench_quality.py [--recipe CONFIG] [--budget MINUTES] [--skip-recipe]
+  precision  (--fp32-steps N) the recipe in fp32 for N steps: validation BLEU against the recipe run's (bf16).
+usage: python scripts/bench_quality.py [--recipe CONFIG] [--budget MINUTES] [--fp32-steps N] [--skip-recipe]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench import BENCH_CONFIG, MULTI30K, peers_ready, run_peer  # noqa: E402
+from bench import MULTI30K, peers_ready, run_peer  # noqa: E402
 from benchlib import replace_section  # noqa: E402
 
 TMT = [sys.executable, "-m", "transformer_mt"]
@@ -38,7 +39,7 @@ def log(msg: str) -> None:
 
 
 def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int = 4,
-                       train: bool = True) -> dict:
+                       train: bool = True, max_len: tuple[float, int] | None = None) -> dict:
     """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr."""
     minutes = None
     if train:
@@ -48,8 +49,9 @@ def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: i
         log(f"training {config} into {run_dir}")
         subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
         minutes = round((time.perf_counter() - t0) / 60, 1)
-    out = subprocess.run([*TMT, "evaluate", "--checkpoint", str(ROOT / run_dir), *TEST, "--beam", str(beam), "--json"],
-                         cwd=ROOT, check=True, capture_output=True, text=True)
+    length = ["--max-len", *map(str, max_len)] if max_len else []
+    out = subprocess.run([*TMT, "evaluate", "--checkpoint", str(ROOT / run_dir), *TEST, "--beam", str(beam), "--json",
+                          *length], cwd=ROOT, check=True, capture_output=True, text=True)
     result = json.loads(out.stdout)
     last = torch.load(ROOT / run_dir / "checkpoints" / "last.pt", weights_only=True)
     state = last["train_state"]
@@ -77,12 +79,61 @@ def report(res: dict) -> str:
         ]
     if "budget" in res:
         b = res["budget"]
-        lines += [f"### Equal budget: {b['minutes']} minutes of training, the peers' model (3+3, d 256), beam 4", "",
+        lines += [f"### Equal budget: {b['minutes']:g} minutes of training, the same model (3+3, d 256, 8k joint vocabulary)",
+                  "",
+                  f"Ours: the recipe with `train.max_minutes={b['minutes']:g}` (set-up included), evaluated on the "
+                  "checkpoint it selected; fairseq: `../shared/peers/budget.sh fairseq "
+                  f"{b['minutes']:g}` (its last checkpoint). Both decode test_2016_flickr with beam 4, length penalty "
+                  "1.0 and at most 200 output tokens, on the same machine, one after the other.", "",
                   "| toolkit | BLEU | decode sent/s | signature |", "| --- | ---: | ---: | --- |"]
         for name, v in b["results"].items():
             lines.append(f"| {name} | {v['bleu']} | {v['decode_sent_per_s']} | `{v['signature']}` |")
+        r = b["results"]
+        if "fairseq" in r:
+            ours, fs = r["transformer-mt"], r["fairseq"]
+            lines += ["", f"BLEU difference: {ours['bleu'] - fs['bleu']:+.2f}; decoding speed: "
+                          f"{ours['decode_sent_per_s'] / fs['decode_sent_per_s']:.2f}× fairseq-generate."]
+        lines.append("")
+    if "precision" in res:
+        p = res["precision"]
+        lines += ["### bf16 against fp32 at equal steps (validation BLEU, greedy, whole dev set)", "",
+                  f"The recipe run (bf16) and the same recipe in fp32 for {p['steps']} steps (same seed and batches; "
+                  f"{p['fp32_minutes']} min in fp32).", "",
+                  "| step | bf16 | fp32 | bf16 − fp32 |", "| ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['step']:,} | {r['bf16']} | {r['fp32']} | {r['diff']:+.2f} |" for r in p["rows"]]
         lines.append("")
     return "\n".join(lines)
+
+
+def valid_bleu_by_step(run_dir: Path) -> dict[int, float]:
+    """Validation BLEU at each validated step, from the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    if "valid/bleu" not in acc.Tags()["scalars"]:
+        return {}
+    return {e.step: round(e.value, 2) for e in acc.Scalars("valid/bleu")}
+
+
+def precision_check(config: str, steps: int) -> dict:
+    """The recipe in fp32 for `steps` updates beside the recipe run (bf16, same seed and batches)."""
+    recipe_dir = ROOT / yaml.safe_load((ROOT / config).read_text())["output_dir"]
+    saved = yaml.safe_load((recipe_dir / "config.yaml").read_text())
+    if saved["train"]["precision"] != "bf16":
+        raise SystemExit(f"{recipe_dir} was not trained in bf16; run the recipe first")
+    run_dir = Path("runs") / "precision_fp32"
+    shutil.rmtree(ROOT / run_dir, ignore_errors=True)
+    sets = [f"output_dir={run_dir}", "train.precision=fp32", f"train.max_steps={steps}", "train.max_minutes=0",
+            "train.average_last=0", "train.save_every=0", "train.keep_last=0"]
+    log(f"training {config} in fp32 for {steps} steps into {run_dir}")
+    t0 = time.perf_counter()
+    subprocess.run([*TMT, "-q", "train", config, *[a for o in sets for a in ("--set", o)]], cwd=ROOT, check=True)
+    minutes = round((time.perf_counter() - t0) / 60, 1)
+    bf16, fp32 = valid_bleu_by_step(recipe_dir), valid_bleu_by_step(ROOT / run_dir)
+    rows = [{"step": k, "bf16": bf16[k], "fp32": fp32[k], "diff": round(bf16[k] - fp32[k], 2)}
+            for k in sorted(set(bf16) & set(fp32))]
+    return {"steps": steps, "fp32_minutes": minutes, "rows": rows}
 
 
 RECIPE_KEYS = [("model", "d_model"), ("model", "encoder_layers"), ("model", "d_ff"), ("model", "dropout"),
@@ -111,6 +162,9 @@ def main() -> int:
     ap.add_argument("--skip-recipe", action="store_true")
     ap.add_argument("--evaluate-only", action="store_true", help="score the recipe's existing run, do not train")
     ap.add_argument("--budget", type=float, default=0, help="also compare with fairseq at this many minutes")
+    ap.add_argument("--fp32-steps", type=int, default=0, metavar="N",
+                    help="also train the recipe in fp32 for N steps and compare its validation BLEU with the "
+                         "recipe run's (bf16) at the same steps")
     ap.add_argument("--json", default=str(ROOT / "bench_quality.json"))
     args = ap.parse_args()
     if not (MULTI30K / "train.en.gz").exists():
@@ -126,22 +180,24 @@ def main() -> int:
         record_experiment(res, args.recipe, Path(run_dir), res["recipe"])
         log(f"recipe: BLEU {res['recipe']['bleu']} in {res['recipe']['train_minutes']} min")
     if args.budget:
+        # The recipe itself (the same 3+3, d 256, 8k-vocabulary model as the peers) with an M-minute budget;
+        # both toolkits then decode beam 4 with length penalty 1.0 and fairseq-generate's max length (0 x src + 200).
         m = args.budget
-        cfg = BENCH_CONFIG
-        overrides = [f"train.max_minutes={m}", "train.max_steps=1000000", "train.valid_every=100000",
-                     "train.precision=bf16", f"data.train={cfg['data']['train']}", f"data.valid={cfg['data']['valid']}",
-                     f"data.test={cfg['data']['test']}"] + [
-            f"{sec}.{k}={json.dumps(v)}" for sec in ("model", "tokenizer") for k, v in cfg[sec].items()] + [
-            f"train.{k}={v}" for k, v in cfg["train"].items() if k in ("max_tokens", "warmup", "lr_factor", "seed")]
-        ours = train_and_evaluate("configs/multi30k_en_de_local.yaml", Path("runs") / f"budget_{m:g}min", overrides)
+        ours = train_and_evaluate(args.recipe, Path("runs") / f"budget_{m:g}min", [f"train.max_minutes={m}"],
+                                  max_len=(0, 200))
         results = {"transformer-mt": {"bleu": ours["bleu"], "decode_sent_per_s": ours["sentences_per_second"],
-                                      "signature": ours["bleu_signature"]}}
+                                      "signature": ours["bleu_signature"], "steps": ours["steps"],
+                                      "evaluated": ours["evaluated"]}}
         if peers_ready():
             out = run_peer("budget.sh", "fairseq", f"{m:g}", timeout=int(m * 60 + 1800))
             if out:
                 results["fairseq"] = {"bleu": float(out["bleu"]), "decode_sent_per_s": float(out["decode_sent_per_s"]),
                                       "signature": out.get("signature", "")}
+        else:
+            log("fairseq skipped: the peers kit is not set up (bash ../shared/peers/setup.sh)")
         res["budget"] = {"minutes": m, "results": results}
+    if args.fp32_steps:
+        res["precision"] = precision_check(args.recipe, args.fp32_steps)
     path.write_text(json.dumps(res, indent=2), encoding="utf-8")
     replace_section(ROOT / "BENCHMARKS.md", "quality", report(res))
     log("wrote BENCHMARKS.md and " + str(path))

@@ -358,6 +358,14 @@ def test_bad_beam_is_a_usage_error(trained, capsys):
     assert "--beam" in capsys.readouterr().err
 
 
+def test_max_len_reaches_the_decoder_and_is_checked(trained, capsys):
+    # (the cap itself is tested on the search functions: test_search.test_outputs_respect_the_length_budget)
+    assert main(["evaluate", "-c", str(trained["run_dir"]), "--json", "--max-len", "0", "200"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_len"] == [0.0, 200]  # the run's own is 1.5, 5
+    assert main(["evaluate", "-c", str(trained["run_dir"]), "--max-len", "0", "2.5"]) == 2
+    assert "--max-len" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("how", ["--last", "--best"])
 def test_average_then_evaluate(trained, tmp_path, how, capsys):
     out = tmp_path / f"avg{how}.pt"

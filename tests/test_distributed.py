@@ -61,3 +61,32 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_pat
     # Only rank 0 wrote TensorBoard events and checkpoints.
     assert len(list((tmp_path / "ddp" / "tb").glob("events.*"))) == 1
     assert isinstance(a["rng"], list) and len(a["rng"]) == 2
+
+
+def torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "transformer_mt", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_two_process_run_resumed_equals_one_never_stopped(tmp_path):
+    # dropout > 0: the per-rank random streams must come back too; 6 updates x 2 ranks cross an epoch (9 batches).
+    for name in ("whole", "parts"):
+        cfg = write_setup(tmp_path, name)
+        cfg.write_text(cfg.read_text().replace("dropout: 0.0", "dropout: 0.2").replace("max_steps: 4", "max_steps: 6"))
+    first = torchrun(["train", str(tmp_path / "whole.yaml")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "parts").mkdir()  # the same SentencePiece model: this test is about the training state
+    shutil.copy(tmp_path / "whole" / "spm.model", tmp_path / "parts" / "spm.model")
+    part = torchrun(["train", str(tmp_path / "parts.yaml"), "--set", "train.max_steps=3"])
+    assert part.returncode == 0, part.stderr[-3000:]
+    assert torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
+    rest = torchrun(["train", str(tmp_path / "parts.yaml"), "--resume"])
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resumed from" in rest.stderr
+    a = torch.load(tmp_path / "whole" / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)
+    assert a["step"] == b["step"] == 6
+    assert a["train_state"]["epoch"] == b["train_state"]["epoch"] >= 2  # the resume crossed an epoch boundary
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0)

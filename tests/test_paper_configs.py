@@ -27,7 +27,7 @@ def test_wmt14_configs_have_the_papers_parameter_count(name, d, ff, paper):
         model = build_model(cfg.model, vocab, vocab, joint_vocab=True)
     n = model.num_parameters()
     assert n == expected_parameters(d, ff, 6, vocab)
-    # With the paper's shared ~37k vocabulary, big comes to 214.2M (+0.6% of the paper's 213M) and base to
-    # 63.1M: 3.0% under the paper's 65M, which no shared 37k vocabulary reaches (213M for big implies ~36k).
-    tolerance = 0.02 if name == "big" else 0.031
-    assert abs(n - paper) / paper <= tolerance, f"{name}: {n / 1e6:.1f}M parameters against the paper's {paper / 1e6:.0f}M"
+    # The paper's "about 37000" pieces and its 65M / 213M can't all hold with tied embeddings: 37,000 gives
+    # 63.1M for base (-3.0%). Vocabularies of 38.2k-40.9k meet both counts within 2%; the configs use 38,400.
+    assert 37_000 <= vocab <= 40_000, f"{name}: vocab_size {vocab} is far from the paper's ~37k"
+    assert abs(n - paper) / paper <= 0.02, f"{name}: {n / 1e6:.1f}M parameters against the paper's {paper / 1e6:.0f}M"

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="beam size; 1 = greedy search (default: the run's decode.beam)")
         p.add_argument("--alpha", type=float, metavar="A",
                        help="GNMT length penalty exponent for beam search (default: the run's decode.alpha)")
+        p.add_argument("--max-len", type=float, nargs=2, metavar=("A", "B"),
+                       help="output at most A x source length + B tokens (default: the run's decode.max_len_a "
+                            "and decode.max_len_b; fairseq-generate's default is 0 200)")
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                        help="where to run the model (default: auto = CUDA, then MPS, then CPU)")
 
@@ -116,11 +119,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_translate(args: argparse.Namespace) -> int:
     from .checkpoint import load_for_inference, resolve_checkpoint
-    from .translate import Translator, pick_device
+    from .translate import Translator, decode_overrides, pick_device
 
     model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(args.checkpoint), pick_device(args.device))
-    if args.alpha is not None:
-        cfg.decode.alpha = args.alpha
+    cfg.decode = decode_overrides(cfg.decode, args.alpha, args.max_len)
     translator = Translator(model, tokenizer, cfg.decode)
     with contextlib.ExitStack() as stack:  # closes only the files opened here, never stdin/stdout
         try:
@@ -139,7 +141,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import evaluate
 
     result = evaluate(args.checkpoint, src=args.src, ref=args.ref, beam=args.beam, alpha=args.alpha,
-                      device=args.device, output=args.output)
+                      max_len=args.max_len, device=args.device, output=args.output)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -10,7 +10,7 @@ from sacrebleu.metrics import BLEU, CHRF, TER
 
 from .checkpoint import load_for_inference, resolve_checkpoint
 from .data import DataError, read_lines, read_split
-from .translate import Translator, pick_device
+from .translate import Translator, decode_overrides, pick_device
 
 
 def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
@@ -27,7 +27,8 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any
 
 
 def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref: Optional[str] = None,
-             beam: Optional[int] = None, alpha: Optional[float] = None, device: str = "auto",
+             beam: Optional[int] = None, alpha: Optional[float] = None,
+             max_len: Optional[tuple[float, float]] = None, device: str = "auto",
              output: Optional[str] = None) -> dict[str, Any]:
     """Translate the run's test split (or --src) and score it against its references (or --ref).
 
@@ -46,8 +47,7 @@ def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref
         sources, references = read_split(cfg.data, "test")
         name = "test"
     beam = beam or cfg.decode.beam
-    if alpha is not None:
-        cfg.decode.alpha = alpha
+    cfg.decode = decode_overrides(cfg.decode, alpha, max_len)
     translator = Translator(model, tokenizer, cfg.decode)
     start = time.perf_counter()
     hyps = translator.translate(sources, beam=beam)
@@ -57,5 +57,6 @@ def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref
     result = score(hyps, references)
     result.update(checkpoint=str(path), step=ckpt.get("step"), beam=beam, alpha=cfg.decode.alpha, sentences=len(hyps),
                   decode_seconds=round(seconds, 2), sentences_per_second=round(len(hyps) / max(seconds, 1e-9), 1),
+                  max_len=[cfg.decode.max_len_a, cfg.decode.max_len_b],
                   hypotheses_path=str(hyp_path))
     return result

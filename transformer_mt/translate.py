@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .config import DecodeConfig
+from .config import ConfigError, DecodeConfig
 from .data import pad_sources
 from .model import Transformer
 from .search import beam_search, greedy_search
@@ -25,6 +26,20 @@ def pick_device(name: str = "auto") -> torch.device:
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def decode_overrides(decode: DecodeConfig, alpha: Optional[float] = None,
+                     max_len: Optional[Sequence[float]] = None) -> DecodeConfig:
+    """The run's decode settings with command-line overrides, checked like the config's own."""
+    changes: dict = {}
+    if alpha is not None:
+        changes["alpha"] = alpha
+    if max_len is not None:
+        a, b = max_len
+        if b != int(b):
+            raise ConfigError(f"--max-len: B must be a whole number of tokens, got {b}")
+        changes.update(max_len_a=float(a), max_len_b=int(b))
+    return dataclasses.replace(decode, **changes)
 
 
 class Translator:
