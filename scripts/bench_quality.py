@@ -38,6 +38,9 @@ def log(msg: str) -> None:
     print(f"[bench-quality] {msg}", file=sys.stderr, flush=True)
 
 
+BUDGET_SETTINGS = ["model.dropout=0.1", "train.warmup=200", f"train.lr_factor={1e-3 * (256 * 200) ** 0.5}"]
+
+
 def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int = 4,
                        train: bool = True, max_len: tuple[float, int] | None = None) -> dict:
     """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr."""
@@ -81,8 +84,9 @@ def report(res: dict) -> str:
         b = res["budget"]
         lines += [f"### Equal budget: {b['minutes']:g} minutes of training, the same model (3+3, d 256, 8k joint vocabulary)",
                   "",
-                  f"Ours: the recipe with `train.max_minutes={b['minutes']:g}` (set-up included), evaluated on the "
-                  "checkpoint it selected; fairseq: `../shared/peers/budget.sh fairseq "
+                  f"Ours: the recipe with the peers' training settings (`{' '.join(BUDGET_SETTINGS)}`) and "
+                  f"`train.max_minutes={b['minutes']:g}` (set-up included), evaluated on the checkpoint it selected; "
+                  "fairseq: `../shared/peers/budget.sh fairseq "
                   f"{b['minutes']:g}` (its last checkpoint). Both decode test_2016_flickr with beam 4, length penalty "
                   "1.0 and at most 200 output tokens, on the same machine, one after the other.", "",
                   "| toolkit | BLEU | decode sent/s | signature |", "| --- | ---: | ---: | --- |"]
@@ -97,8 +101,8 @@ def report(res: dict) -> str:
     if "precision" in res:
         p = res["precision"]
         lines += ["### bf16 against fp32 at equal steps (validation BLEU, greedy, whole dev set)", "",
-                  f"The recipe run (bf16) and the same recipe in fp32 for {p['steps']} steps (same seed and batches; "
-                  f"{p['fp32_minutes']} min in fp32).", "",
+                  f"The recipe run (bf16) and the same recipe in fp32 for {p['steps']} steps (same seed and "
+                  "batches).", "",
                   "| step | bf16 | fp32 | bf16 − fp32 |", "| ---: | ---: | ---: | ---: |"]
         lines += [f"| {r['step']:,} | {r['bf16']} | {r['fp32']} | {r['diff']:+.2f} |" for r in p["rows"]]
         lines.append("")
@@ -166,7 +170,11 @@ def main() -> int:
                     help="also train the recipe in fp32 for N steps and compare its validation BLEU with the "
                          "recipe run's (bf16) at the same steps")
     ap.add_argument("--json", default=str(ROOT / "bench_quality.json"))
+    ap.add_argument("--report-only", action="store_true", help="rewrite BENCHMARKS.md from an existing --json")
     args = ap.parse_args()
+    if args.report_only:
+        replace_section(ROOT / "BENCHMARKS.md", "quality", report(json.loads(Path(args.json).read_text())))
+        return 0
     if not (MULTI30K / "train.en.gz").exists():
         log(f"skipped: {MULTI30K} is not here")
         return 0
@@ -180,11 +188,12 @@ def main() -> int:
         record_experiment(res, args.recipe, Path(run_dir), res["recipe"])
         log(f"recipe: BLEU {res['recipe']['bleu']} in {res['recipe']['train_minutes']} min")
     if args.budget:
-        # The recipe itself (the same 3+3, d 256, 8k-vocabulary model as the peers) with an M-minute budget;
-        # both toolkits then decode beam 4 with length penalty 1.0 and fairseq-generate's max length (0 x src + 200).
+        # The recipe (the same 3+3, d 256, 8k-vocabulary model as the peers) with the peers' training settings
+        # (dropout 0.1, 200 warm-up updates to a 1e-3 peak) and an M-minute budget: only the toolkit differs.
+        # Both then decode beam 4 with length penalty 1.0 and fairseq-generate's max length (0 x src + 200).
         m = args.budget
-        ours = train_and_evaluate(args.recipe, Path("runs") / f"budget_{m:g}min", [f"train.max_minutes={m}"],
-                                  max_len=(0, 200))
+        ours = train_and_evaluate(args.recipe, Path("runs") / f"budget_{m:g}min", BUDGET_SETTINGS + [
+            f"train.max_minutes={m}"], max_len=(0, 200))
         results = {"transformer-mt": {"bleu": ours["bleu"], "decode_sent_per_s": ours["sentences_per_second"],
                                       "signature": ours["bleu_signature"], "steps": ours["steps"],
                                       "evaluated": ours["evaluated"]}}

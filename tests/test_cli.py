@@ -380,3 +380,15 @@ def test_average_needs_two_checkpoints(trained, tmp_path, capsys):
     (tmp_path / "checkpoints").mkdir()
     assert main(["average", str(tmp_path), "--last", "3"]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_translator_decodes_in_the_runs_precision(trained, precision, dtype):
+    from transformer_mt.checkpoint import load_for_inference, resolve_checkpoint
+    from transformer_mt.translate import Translator
+
+    model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(str(trained["run_dir"])), torch.device("cpu"))
+    seen = []
+    model.generator.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    out = Translator(model, tokenizer, cfg.decode, precision=precision).translate(["alpha beta", "gamma"], beam=2)
+    assert len(out) == 2 and seen and set(seen) == {dtype}

@@ -123,7 +123,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
     model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(args.checkpoint), pick_device(args.device))
     cfg.decode = decode_overrides(cfg.decode, args.alpha, args.max_len)
-    translator = Translator(model, tokenizer, cfg.decode)
+    translator = Translator(model, tokenizer, cfg.decode, precision=cfg.train.precision)
     with contextlib.ExitStack() as stack:  # closes only the files opened here, never stdin/stdout
         try:
             src = stack.enter_context(open(args.input, encoding="utf-8", errors="replace")) if args.input \

@@ -48,7 +48,7 @@ def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref
         name = "test"
     beam = beam or cfg.decode.beam
     cfg.decode = decode_overrides(cfg.decode, alpha, max_len)
-    translator = Translator(model, tokenizer, cfg.decode)
+    translator = Translator(model, tokenizer, cfg.decode, precision=cfg.train.precision)
     start = time.perf_counter()
     hyps = translator.translate(sources, beam=beam)
     seconds = time.perf_counter() - start
@@ -57,6 +57,6 @@ def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref
     result = score(hyps, references)
     result.update(checkpoint=str(path), step=ckpt.get("step"), beam=beam, alpha=cfg.decode.alpha, sentences=len(hyps),
                   decode_seconds=round(seconds, 2), sentences_per_second=round(len(hyps) / max(seconds, 1e-9), 1),
-                  max_len=[cfg.decode.max_len_a, cfg.decode.max_len_b],
+                  max_len=[cfg.decode.max_len_a, cfg.decode.max_len_b], precision=translator.precision,
                   hypotheses_path=str(hyp_path))
     return result

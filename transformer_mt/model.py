@@ -226,10 +226,23 @@ class KVCache:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep/duplicate batch rows: row i of the new cache is row index[i] of the old one."""
-        for kvs in (self.self_kv, self.cross_kv):
-            for i, kv in enumerate(kvs):
-                if kv is not None:
-                    kvs[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
+        self.reorder_self(index)
+        self.reorder_cross(index)
+
+    def reorder_self(self, index: torch.Tensor) -> None:
+        """Reorder the self-attention keys/values only. Beam search moves hypotheses between the
+        rows of one sentence, which share the source's cross-attention keys/values: those stay."""
+        self._select(self.self_kv, index)
+
+    def reorder_cross(self, index: torch.Tensor) -> None:
+        """Reorder the cross-attention keys/values only (when sentences leave the batch)."""
+        self._select(self.cross_kv, index)
+
+    @staticmethod
+    def _select(kvs: list[Optional[KV]], index: torch.Tensor) -> None:
+        for i, kv in enumerate(kvs):
+            if kv is not None:
+                kvs[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
 
 
 # --------------------------------------------------------------------------- stacks and model
@@ -263,8 +276,10 @@ class Decoder(nn.Module):
             if cache is None:
                 x = layer(x, memory, src_mask)[0]
             else:
-                x, cache.self_kv[i], cache.cross_kv[i] = layer(
-                    x, memory, src_mask, cache.self_kv[i], cache.cross_kv[i])
+                first = cache.cross_kv[i] is None
+                x, cache.self_kv[i], (k, v) = layer(x, memory, src_mask, cache.self_kv[i], cache.cross_kv[i])
+                # the source's keys/values are read at every later step: store them contiguous, once
+                cache.cross_kv[i] = (k.contiguous(), v.contiguous()) if first else (k, v)
         return self.norm(x)
 
 

@@ -111,7 +111,8 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
         logp = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (N*K, V)
         V = logp.size(1)
         forced = (max_len[alive] <= t + 1).repeat_interleave(K)  # out of budget: end with EOS
-        _force_eos(logp, forced)
+        if forced.any():
+            _force_eos(logp, forced)
         top, src_beam, tok = beam_step(cum, logp.view(N, K, V), 2 * K)  # (N, 2K) each
         # Candidates ending in EOS among the best K become finished hypotheses.
         is_eos = tok == EOS
@@ -138,8 +139,9 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
         keep = (~done).nonzero().squeeze(1)  # (N',) live groups
         keep_rows = (keep.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
         rows = rows[keep_rows]
-        cache.reorder(rows)
+        cache.reorder_self(rows)  # hypotheses move within their sentence's K rows: the source side stays
         if len(keep) < N:  # drop finished sentences from the batch
             memory, src_mask = memory[keep_rows], src_mask[keep_rows]
+            cache.reorder_cross(keep_rows)
         alive, cum, seqs, tokens = alive[keep], cum[keep], seqs[keep_rows], next_tok[keep_rows]
     return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in finished]

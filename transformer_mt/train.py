@@ -34,7 +34,7 @@ from .errors import UserError
 from .evaluate import score
 from .model import Transformer, build_model
 from .tokenizer import PAD, Tokenizer, train_tokenizer
-from .translate import Translator, pick_device
+from .translate import Translator, autocast, pick_device, resolve_precision
 
 log = logging.getLogger("transformer_mt")
 
@@ -64,15 +64,6 @@ class TrainState:
     best_step: int = 0
     bad_validations: int = 0  # validations since the best one
     seconds: float = 0.0  # training wall-clock of earlier (resumed-from) runs
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """auto: bf16 on GPUs that support it, fp16 (with a grad scaler) on older GPUs, fp32 elsewhere."""
-    if precision != "auto":
-        return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp32"
 
 
 class Trainer:
@@ -196,10 +187,7 @@ class Trainer:
         return tok
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
+        return autocast(self.precision, self.device)
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of the
