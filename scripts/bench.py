@@ -323,7 +323,9 @@ def write_report(res: dict, path: Path) -> None:
                   f"Each toolkit's model trained for the same {res['decoding_minutes']}-minute budget "
                   "(`make bench-quality`); beam 4, length penalty 1.0, at most 200 output tokens; ours batches by "
                   "source tokens (`decode.max_tokens`), fairseq-generate by 64 sentences (`decode_speed.sh`). "
-                  f"Median of {len(d['fairseq']['runs'])} interleaved runs; model loading excluded for both.", "",
+                  f"Median of {len(d['fairseq']['runs'])} interleaved runs"
+                  f"{' on ' + res['decoding_date'] if res.get('decoding_date') else ''}; model loading excluded "
+                  "for both.", "",
                   "| contender | sentences/s | runs | × fairseq | BLEU | signature |",
                   "| --- | ---: | --- | ---: | ---: | --- |"]
         for name, v in d.items():
@@ -356,9 +358,18 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--json", default=str(ROOT / "bench.json"))
     ap.add_argument("--report-only", action="store_true", help="rewrite BENCHMARKS.md from an existing --json")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="re-run only the decoding comparison, updating an existing --json and BENCHMARKS.md")
     args = ap.parse_args()
     if args.report_only:
         write_report(json.loads(Path(args.json).read_text()), Path(args.out))
+        return 0
+    if args.decode_only:  # re-measure the decoding comparison only, keeping the rest of --json
+        res = json.loads(Path(args.json).read_text())
+        res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
+        res["decoding_minutes"], res["decoding_date"] = args.decode_minutes, time.strftime("%Y-%m-%d %H:%M")
+        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
+        write_report(res, Path(args.out))
         return 0
     if args.quick:
         args.rounds, args.steps, args.warmup, args.no_peers = 1, 10, 2, True

@@ -105,6 +105,7 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
     seqs = torch.full((B * K, 0), BOS, dtype=torch.long, device=device)
     tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    n_finished = torch.zeros(B, dtype=torch.long, device=device)  # len(finished[b]), kept on the device
     cache = model.new_cache()
     for t in range(int(max_len.max())):
         N = len(alive)
@@ -122,6 +123,7 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
             for n, c in final.nonzero().tolist():
                 row = n * K + int(src_beam[n, c])
                 finished[int(alive[n])].append((float(top[n, c]) / lp, seqs[row].tolist()))
+            n_finished[alive] += final.sum(1)
         # The best K candidates not ending in EOS continue.
         live_scores = top.masked_fill(is_eos, -math.inf)
         keep_scores, pick = live_scores.topk(K, dim=1)  # (N, K)
@@ -131,8 +133,7 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
         seqs = torch.cat([seqs[rows], next_tok], dim=1)
         cum = keep_scores
         # A sentence is done with K finished hypotheses, at its budget, or with no live hypothesis.
-        done = torch.tensor([len(finished[int(s)]) >= K for s in alive.tolist()], device=device)
-        done |= max_len[alive] <= t + 1
+        done = (n_finished[alive] >= K) | (max_len[alive] <= t + 1)
         done |= ~torch.isfinite(cum[:, 0])
         if done.all():
             break
