@@ -41,17 +41,20 @@ def log(msg: str) -> None:
 BUDGET_SETTINGS = ["model.dropout=0.1", "train.warmup=200", f"train.lr_factor={1e-3 * (256 * 200) ** 0.5}"]
 
 
+def train_clean(config: str, run_dir: Path, overrides: list[str]) -> float:
+    """`tmt train CONFIG` into a fresh run directory with --set overrides; returns the wall-clock minutes."""
+    shutil.rmtree(ROOT / run_dir, ignore_errors=True)
+    sets = [a for o in [f"output_dir={run_dir}", *overrides] for a in ("--set", o)]
+    log(f"training {config} into {run_dir}")
+    t0 = time.perf_counter()
+    subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
+    return round((time.perf_counter() - t0) / 60, 1)
+
+
 def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int = 4,
                        train: bool = True, max_len: tuple[float, int] | None = None) -> dict:
     """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr."""
-    minutes = None
-    if train:
-        shutil.rmtree(ROOT / run_dir, ignore_errors=True)
-        sets = [a for o in [f"output_dir={run_dir}", *overrides] for a in ("--set", o)]
-        t0 = time.perf_counter()
-        log(f"training {config} into {run_dir}")
-        subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
-        minutes = round((time.perf_counter() - t0) / 60, 1)
+    minutes = train_clean(config, run_dir, overrides) if train else None
     length = ["--max-len", *map(str, max_len)] if max_len else []
     out = subprocess.run([*TMT, "evaluate", "--checkpoint", str(ROOT / run_dir), *TEST, "--beam", str(beam), "--json",
                           *length], cwd=ROOT, check=True, capture_output=True, text=True)
@@ -127,17 +130,12 @@ def precision_check(config: str, steps: int) -> dict:
     if saved["train"]["precision"] != "bf16":
         raise SystemExit(f"{recipe_dir} was not trained in bf16; run the recipe first")
     run_dir = Path("runs") / "precision_fp32"
-    shutil.rmtree(ROOT / run_dir, ignore_errors=True)
-    sets = [f"output_dir={run_dir}", "train.precision=fp32", f"train.max_steps={steps}", "train.max_minutes=0",
-            "train.average_last=0", "train.save_every=0", "train.keep_last=0"]
-    log(f"training {config} in fp32 for {steps} steps into {run_dir}")
-    t0 = time.perf_counter()
-    subprocess.run([*TMT, "-q", "train", config, *[a for o in sets for a in ("--set", o)]], cwd=ROOT, check=True)
-    minutes = round((time.perf_counter() - t0) / 60, 1)
+    train_clean(config, run_dir, ["train.precision=fp32", f"train.max_steps={steps}", "train.max_minutes=0",
+                                  "train.average_last=0", "train.save_every=0", "train.keep_last=0"])
     bf16, fp32 = valid_bleu_by_step(recipe_dir), valid_bleu_by_step(ROOT / run_dir)
     rows = [{"step": k, "bf16": bf16[k], "fp32": fp32[k], "diff": round(bf16[k] - fp32[k], 2)}
             for k in sorted(set(bf16) & set(fp32))]
-    return {"steps": steps, "fp32_minutes": minutes, "rows": rows}
+    return {"steps": steps, "rows": rows}
 
 
 RECIPE_KEYS = [("model", "d_model"), ("model", "encoder_layers"), ("model", "d_ff"), ("model", "dropout"),

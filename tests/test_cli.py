@@ -382,7 +382,8 @@ def test_average_needs_two_checkpoints(trained, tmp_path, capsys):
     assert "at least 2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32),
+                                              ("fp16", torch.float32)])  # fp16 only on GPUs
 def test_translator_decodes_in_the_runs_precision(trained, precision, dtype):
     from transformer_mt.checkpoint import load_for_inference, resolve_checkpoint
     from transformer_mt.translate import Translator

@@ -39,12 +39,15 @@ def write_setup(root: Path, run: str, extra: str = "") -> Path:
     return cfg
 
 
+def torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "transformer_mt", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
 def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     ddp_cfg = write_setup(tmp_path, "ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "transformer_mt", "train", str(ddp_cfg)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = torchrun(["train", str(ddp_cfg)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "effective batch <= 600 tokens (max_tokens 300 x accumulate 1 x 2 processes)" in proc.stderr
     # One process, two batches per update: the same batches as the two ranks together. (adam_eps 1.0 keeps
@@ -61,12 +64,6 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_pat
     # Only rank 0 wrote TensorBoard events and checkpoints.
     assert len(list((tmp_path / "ddp" / "tb").glob("events.*"))) == 1
     assert isinstance(a["rng"], list) and len(a["rng"]) == 2
-
-
-def torchrun(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "transformer_mt", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_two_process_run_resumed_equals_one_never_stopped(tmp_path):

@@ -120,9 +120,10 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
         final = is_eos[:, :K] & torch.isfinite(top[:, :K])
         if final.any():
             lp = length_penalty(t + 1, alpha)
-            for n, c in final.nonzero().tolist():
-                row = n * K + int(src_beam[n, c])
-                finished[int(alive[n])].append((float(top[n, c]) / lp, seqs[row].tolist()))
+            n, c = final.nonzero().unbind(1)  # (F,) group and candidate of each finished hypothesis
+            hyps = seqs[n * K + src_beam[n, c]].tolist()  # one host transfer each, not one per hypothesis
+            for sent, s, hyp in zip(alive[n].tolist(), top[n, c].tolist(), hyps):
+                finished[sent].append((s / lp, hyp))
             n_finished[alive] += final.sum(1)
         # The best K candidates not ending in EOS continue.
         live_scores = top.masked_fill(is_eos, -math.inf)

@@ -39,8 +39,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Mixed-precision autocast for a resolved precision (fp16 only on GPUs; fp32: none)."""
-    if precision == "fp32" or (precision == "fp16" and device.type == "cpu"):
+    """Mixed-precision autocast for a resolved precision (fp32: none)."""
+    if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
@@ -69,6 +69,8 @@ class Translator:
         self.model, self.tokenizer, self.decode = model.eval(), tokenizer, decode
         self.device = device or next(model.parameters()).device
         self.precision = resolve_precision(precision, self.device)
+        if self.precision == "fp16" and self.device.type != "cuda":  # a GPU fp16 run decoded elsewhere
+            self.precision = "fp32"
         self.max_src = model.cfg.max_positions  # longer sources are truncated, with a warning
 
     def translate(self, lines: list[str], *, beam: Optional[int] = None) -> list[str]:
