@@ -366,6 +366,15 @@ def test_max_len_reaches_the_decoder_and_is_checked(trained, capsys):
     assert "--max-len" in capsys.readouterr().err
 
 
+def test_precision_flag_overrides_the_runs(trained, capsys):
+    for precision in ("bf16", "fp32"):
+        assert main(["evaluate", "-c", str(trained["run_dir"]), "--json", "--precision", precision]) == 0
+        assert json.loads(capsys.readouterr().out)["precision"] == precision
+    with pytest.raises(SystemExit):
+        main(["translate", "-c", str(trained["run_dir"]), "--precision", "fp8"])
+    assert "--precision" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("how", ["--last", "--best"])
 def test_average_then_evaluate(trained, tmp_path, how, capsys):
     out = tmp_path / f"avg{how}.pt"
@@ -393,3 +402,4 @@ def test_translator_decodes_in_the_runs_precision(trained, precision, dtype):
     model.generator.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
     out = Translator(model, tokenizer, cfg.decode, precision=precision).translate(["alpha beta", "gamma"], beam=2)
     assert len(out) == 2 and seen and set(seen) == {dtype}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the caller's model (training's) is untouched

@@ -8,7 +8,7 @@ import torch
 
 from transformer_mt.config import ModelConfig
 from transformer_mt.model import Transformer
-from transformer_mt.search import beam_search, greedy_search, length_penalty
+from transformer_mt.search import beam_search, greedy_search, length_penalty, topk_rows
 from transformer_mt.tokenizer import BOS, EOS, PAD, UNK
 
 
@@ -70,10 +70,11 @@ def test_wide_beam_finds_the_exhaustive_optimum(alpha, seed):
     assert found == best
 
 
-def test_batched_beam_search_equals_one_sentence_at_a_time():
+@pytest.mark.parametrize("vocab", [40, 1100])  # 1100: wide enough for topk_rows to search blocks
+def test_batched_beam_search_equals_one_sentence_at_a_time(vocab):
     """Sentences finish at different steps and leave the batch; the others must not notice."""
-    model = make_model(40, 5)
-    src = sources(6, 9, 40, 5)
+    model = make_model(vocab, 5)
+    src = sources(6, 9, vocab, 5)
     batched = beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=4)
     for b in range(src.size(0)):
         row = src[b:b + 1, : int((src[b] != PAD).sum())]
@@ -96,3 +97,14 @@ def test_length_penalty_is_gnmt():
     assert length_penalty(1, 1.0) == pytest.approx(1.0)
     assert length_penalty(7, 0.6) == pytest.approx((12 / 6) ** 0.6)
     assert length_penalty(10, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("V, k", [(8000, 8), (1100, 8), (300, 2), (40, 8)])  # 1100, 300: a partial last block; 40: torch.topk
+def test_topk_rows_equals_torch_topk(V, k):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(37, V, generator=g)  # continuous values: no ties, so the indices are unique too
+    x[:, :3] = -math.inf  # masked tokens, as beam search has them
+    x[5, -1] = 100.0  # a row whose best value sits in the partial last block
+    values, cols = topk_rows(x, k)
+    ref = x.topk(k, dim=1)
+    assert torch.equal(values, ref.values) and torch.equal(cols, ref.indices)

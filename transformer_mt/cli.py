@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "and decode.max_len_b; fairseq-generate's default is 0 200)")
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                        help="where to run the model (default: auto = CUDA, then MPS, then CPU)")
+        p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
+                       help="dtype to decode in (default: the run's train.precision; bf16/fp16 decode with the "
+                            "whole model in that dtype; fp16 only on CUDA, elsewhere it decodes in fp32)")
 
     p = sub.add_parser("translate", help="translate text with a trained model (stdin to stdout by default)",
                        description="Translate one sentence per line. Output lines match input lines one to one "
@@ -123,7 +126,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
     model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(args.checkpoint), pick_device(args.device))
     cfg.decode = decode_overrides(cfg.decode, args.alpha, args.max_len)
-    translator = Translator(model, tokenizer, cfg.decode, precision=cfg.train.precision)
+    translator = Translator(model, tokenizer, cfg.decode, precision=args.precision or cfg.train.precision)
     with contextlib.ExitStack() as stack:  # closes only the files opened here, never stdin/stdout
         try:
             src = stack.enter_context(open(args.input, encoding="utf-8", errors="replace")) if args.input \
@@ -141,7 +144,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import evaluate
 
     result = evaluate(args.checkpoint, src=args.src, ref=args.ref, beam=args.beam, alpha=args.alpha,
-                      max_len=args.max_len, device=args.device, output=args.output)
+                      max_len=args.max_len, device=args.device, precision=args.precision, output=args.output)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -402,18 +402,12 @@ class Batch:
     src: torch.Tensor  # (B, S) source ids + EOS, PAD-padded
     tgt_in: torch.Tensor  # (B, T) BOS + target ids
     tgt_out: torch.Tensor  # (B, T) target ids + EOS
-    positions: torch.Tensor  # (N,) flat indices b*T + t of the real (non-pad) target tokens
-    n_tgt_tokens: int  # N
+    n_tgt_tokens: int  # real (non-pad) tokens of tgt_out
     n_src_tokens: int
-
-    @property
-    def targets(self) -> torch.Tensor:
-        """(N,) the real target tokens, in the order of `positions`."""
-        return self.tgt_out.view(-1).index_select(0, self.positions)
 
     def to(self, device: torch.device) -> "Batch":
         nb = device.type == "cuda"
-        return Batch(*(t.to(device, non_blocking=nb) for t in (self.src, self.tgt_in, self.tgt_out, self.positions)),
+        return Batch(*(t.to(device, non_blocking=nb) for t in (self.src, self.tgt_in, self.tgt_out)),
                      self.n_tgt_tokens, self.n_src_tokens)
 
 
@@ -434,10 +428,9 @@ def collate(corpus: TokenizedCorpus, indices: Sequence[int]) -> Batch:
         tgt_in[b, 1:len(t) + 1] = t
         tgt_out[b, :len(t)] = t
         tgt_out[b, len(t)] = EOS
-    positions = np.concatenate([b * T + np.arange(len(t) + 1) for b, t in enumerate(tgts)])
+    n_tgt = sum(len(t) for t in tgts) + B
     n_src = sum(len(s) for s in srcs) + B
-    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
-                 torch.from_numpy(positions), len(positions), n_src)
+    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), n_tgt, n_src)
 
 
 def pad_sources(seqs: Sequence[Sequence[int]], max_len: int) -> torch.Tensor:

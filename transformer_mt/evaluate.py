@@ -29,7 +29,7 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any
 def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref: Optional[str] = None,
              beam: Optional[int] = None, alpha: Optional[float] = None,
              max_len: Optional[tuple[float, float]] = None, device: str = "auto",
-             output: Optional[str] = None) -> dict[str, Any]:
+             precision: Optional[str] = None, output: Optional[str] = None) -> dict[str, Any]:
     """Translate the run's test split (or --src) and score it against its references (or --ref).
 
     The hypotheses are written next to the checkpoint; the result dict includes their path.
@@ -48,7 +48,7 @@ def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref
         name = "test"
     beam = beam or cfg.decode.beam
     cfg.decode = decode_overrides(cfg.decode, alpha, max_len)
-    translator = Translator(model, tokenizer, cfg.decode, precision=cfg.train.precision)
+    translator = Translator(model, tokenizer, cfg.decode, precision=precision or cfg.train.precision)
     start = time.perf_counter()
     hyps = translator.translate(sources, beam=beam)
     seconds = time.perf_counter() - start

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .model import Transformer
 from .tokenizer import BOS, EOS, PAD
@@ -24,20 +25,20 @@ def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | f
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def _mask_specials(logp: torch.Tensor) -> torch.Tensor:
-    logp[:, PAD] = -math.inf  # never generate padding or a second BOS
-    logp[:, BOS] = -math.inf
-    return logp
+def _mask_specials(scores: torch.Tensor) -> torch.Tensor:
+    scores[:, PAD] = -math.inf  # never generate padding or a second BOS
+    scores[:, BOS] = -math.inf
+    return scores
 
 
-def _force_eos(logp: torch.Tensor, forced: torch.Tensor) -> None:
+def _force_eos(scores: torch.Tensor, forced: torch.Tensor) -> None:
     """Rows out of length budget may only end: every token but EOS gets -inf (EOS keeps its score)."""
-    eos = logp[:, EOS].clone()
-    logp[forced] = -math.inf
-    logp[:, EOS] = torch.where(forced, eos, logp[:, EOS])
+    eos = scores[:, EOS].clone()
+    scores[forced] = -math.inf
+    scores[:, EOS] = torch.where(forced, eos, scores[:, EOS])
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10
                   ) -> list[list[int]]:
     """Most likely next token at each step; src (B, S) -> token lists without EOS."""
@@ -50,10 +51,10 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
     tokens = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)
     cache = model.new_cache()
     for t in range(int(max_len.max())):
-        logp = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (n, V)
+        logits = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (n, V)
         forced = max_len[alive] <= t + 1  # out of budget: this token must be EOS
-        _force_eos(logp, forced)
-        next_tok = logp.argmax(-1)  # (n,)
+        _force_eos(logits, forced)
+        next_tok = logits.argmax(-1)  # (n,): the argmax of the logits is that of the probabilities
         done = next_tok == EOS
         for row, tok in zip(alive.tolist(), next_tok.tolist()):
             if tok != EOS:
@@ -68,22 +69,43 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
     return out
 
 
-def beam_step(cum_scores: torch.Tensor, logp: torch.Tensor, n_cand: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One beam-search step (pure): best `n_cand` extensions over beam x vocabulary.
+def topk_rows(x: torch.Tensor, k: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of x (R, V) and their columns, best first, like x.topk(k).
 
-    cum_scores (N, K) log-probabilities of the live hypotheses; logp (N, K, V) next-token
-    log-probabilities. Returns scores, source beam and token of each candidate, each (N, n_cand),
-    best first. Taking 2K candidates means hypotheses ending in EOS never leave fewer than K
-    to continue (fairseq's trick).
+    Exact, and about twice as fast as torch.topk on CPU for k << V: the maxima of blocks of `block`
+    columns (a vectorised reduction) pick the k best blocks, and only those are searched. A value among
+    the k best lies in a block whose maximum is among the k best maxima.
     """
-    N, K, V = logp.shape
-    scores = (cum_scores.unsqueeze(-1) + logp).view(N, K * V)  # (N, K*V)
-    top, idx = scores.topk(min(n_cand, K * V), dim=1)
-    return top, idx // V, idx % V  # beam = flat index div V, token = mod V
+    R, V = x.shape
+    n_blocks = V // block
+    if n_blocks < 2 * k:
+        return x.topk(k, dim=1)
+    main = x[:, :n_blocks * block].unflatten(1, (n_blocks, block))  # (R, n_blocks, block), a view
+    best_blocks = main.amax(2).topk(k, dim=1).indices  # (R, k)
+    cols = (best_blocks.unsqueeze(2) * block + torch.arange(block, device=x.device)).flatten(1)  # (R, k*block)
+    tail = torch.arange(n_blocks * block, V, device=x.device).expand(R, -1)  # columns past the last block
+    cols = torch.cat([cols, tail], dim=1)
+    values, pick = x.gather(1, cols).topk(k, dim=1)  # (R, k)
+    return values, cols.gather(1, pick)
 
 
-@torch.inference_mode()
+def beam_step(cum_scores: torch.Tensor, cand_logp: torch.Tensor, cand_tok: torch.Tensor, n_cand: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One beam-search step (pure): the best `n_cand` extensions of the live hypotheses.
+
+    cum_scores (N, K) log-probabilities of the live hypotheses; cand_logp (N, K, C) log-probabilities
+    of each hypothesis's C best next tokens, cand_tok (N, K, C) their ids. With C >= n_cand this is
+    exact: a token outside its own row's best C cannot be among the best n_cand of the sentence.
+    Returns scores, source beam and token of each candidate, each (N, n_cand), best first. Taking
+    2K candidates means hypotheses ending in EOS never leave fewer than K to continue (fairseq's trick).
+    """
+    N, K, C = cand_logp.shape
+    scores = (cum_scores.unsqueeze(-1) + cand_logp).view(N, K * C)  # (N, K*C)
+    top, idx = scores.topk(min(n_cand, K * C), dim=1)
+    return top, idx // C, cand_tok.view(N, K * C).gather(1, idx)  # beam = flat index div C
+
+
+@torch.no_grad()
 def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10) -> list[list[int]]:
     """Batched beam search; returns the best hypothesis (without EOS) for each source row.
@@ -109,12 +131,14 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
     cache = model.new_cache()
     for t in range(int(max_len.max())):
         N = len(alive)
-        logp = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (N*K, V)
-        V = logp.size(1)
+        logits = model.decode_step(tokens, memory, src_mask, cache)  # (N*K, V)
+        logp = _mask_specials(F.log_softmax(logits, dim=-1, dtype=torch.float32))  # (N*K, V)
         forced = (max_len[alive] <= t + 1).repeat_interleave(K)  # out of budget: end with EOS
         if forced.any():
             _force_eos(logp, forced)
-        top, src_beam, tok = beam_step(cum, logp.view(N, K, V), 2 * K)  # (N, 2K) each
+        # Each hypothesis's 2K best tokens are enough to find the sentence's 2K best extensions.
+        cand_logp, cand_tok = topk_rows(logp, min(2 * K, logp.size(1)))  # (N*K, 2K)
+        top, src_beam, tok = beam_step(cum, cand_logp.view(N, K, -1), cand_tok.view(N, K, -1), 2 * K)  # (N, 2K)
         # Candidates ending in EOS among the best K become finished hypotheses.
         is_eos = tok == EOS
         final = is_eos[:, :K] & torch.isfinite(top[:, :K])

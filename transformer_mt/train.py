@@ -34,7 +34,7 @@ from .errors import UserError
 from .evaluate import score
 from .model import Transformer, build_model
 from .tokenizer import PAD, Tokenizer, train_tokenizer
-from .translate import Translator, autocast, pick_device, resolve_precision
+from .translate import Translator, pick_device, resolve_precision
 
 log = logging.getLogger("transformer_mt")
 
@@ -187,7 +187,10 @@ class Trainer:
         return tok
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return autocast(self.precision, self.device)
+        """Mixed-precision autocast for the run's precision (fp32: none)."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of the
@@ -393,8 +396,8 @@ class Trainer:
             sync = contextlib.nullcontext() if last or self.world == 1 else self._ddp().no_sync()
             with sync:  # accumulation micro-steps skip the gradient all-reduce
                 with self.autocast():
-                    logits = self.forward(batch.src, batch.tgt_in, batch.positions)  # (N, V): real tokens only
-                loss = label_smoothed_loss(logits, batch.targets, tc.label_smoothing)
+                    logits = self.forward(batch.src, batch.tgt_in)  # (B, T, V)
+                loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
                 self.scaler.scale(loss * (self.world / n_tokens)).backward()
             total += loss.detach()
         if tc.clip_norm > 0:
@@ -421,17 +424,16 @@ class Trainer:
                               self.cfg.train.max_tokens, seed=0, epoch=0, shuffle=False):
             batch = collate(self.valid_data, self.valid_idx[b]).to(self.device)
             with self.autocast():
-                logits = self.model(batch.src, batch.tgt_in, batch.positions)
-            total += label_smoothed_loss(logits, batch.targets, 0.0)
+                logits = self.model(batch.src, batch.tgt_in)
+            total += label_smoothed_loss(logits, batch.tgt_out, 0.0)
             tokens += batch.n_tgt_tokens
         self.model.train()
         return total.item() / max(tokens, 1)
 
     def validation_bleu(self) -> dict[str, Any]:
         self.model.eval()
-        translator = Translator(self.model, self.tokenizer, self.cfg.decode, self.device)
-        with self.autocast():
-            hyps = translator.translate(self.valid_text[0], beam=self.cfg.train.valid_beam)
+        translator = Translator(self.model, self.tokenizer, self.cfg.decode, self.device, self.precision)
+        hyps = translator.translate(self.valid_text[0], beam=self.cfg.train.valid_beam)
         self.model.train()
         return score(hyps, self.valid_text[1])
 
