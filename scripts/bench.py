@@ -155,6 +155,26 @@ def ablation(trainer_cfg, what: str):
     return step
 
 
+def interleaved_windows(contenders: dict, batches: list[Batch], warmup: int, window: int = 10
+                        ) -> dict[str, list[float]]:
+    """Target tokens/s of each contender over the same windows of `window` batches, the contenders taking
+    turns window by window: a slow spell on the shared machine then hits all of them, not one."""
+    for step in contenders.values():
+        for b in batches[:warmup]:
+            step(b)
+    speeds: dict[str, list[float]] = {name: [] for name in contenders}
+    timed = batches[warmup:]
+    for i in range(0, len(timed) - window + 1, window):
+        chunk = timed[i:i + window]
+        tokens = sum(b.n_tgt_tokens for b in chunk)
+        for name, step in contenders.items():
+            t0 = time.perf_counter()
+            for b in chunk:
+                step(b)
+            speeds[name].append(tokens / (time.perf_counter() - t0))
+    return speeds
+
+
 def time_windows(step, batches: list[Batch], warmup: int, window: int = 10) -> list[float]:
     """Target tokens/s of consecutive `window`-step windows after `warmup` untimed steps.
 
@@ -272,8 +292,9 @@ def write_report(res: dict, path: Path) -> None:
         f"Model: 3+3 layers, d_model 256, 4 heads, FFN 1024, pre-norm, tied joint 8k SentencePiece vocabulary, "
         f"dropout 0.1 (residual, attention, activation). Batches: ~4,096 tokens (sentences × longest side), "
         f"length-bucketed; padding {res['padding']['src']:.1%} of source and {res['padding']['tgt']:.1%} of target "
-        f"positions. {res['steps']} timed steps after {res['warmup']} warm-up, windows of 10, "
-        f"{res['rounds']} interleaved rounds; the figure is the median window.",
+        f"positions. {res['steps']} timed steps after {res['warmup']} warm-up in each of {res['rounds']} rounds; "
+        "ours and the reference take turns every 10 steps on the same batches, and the figure is the median "
+        "10-step window. The peers run once a round, after ours.",
         "",
         "| contender | target tok/s | × plain nn.Transformer fp32 | × fairseq | × JoeyNMT | model GFLOP/s | MFU vs bf16 ceiling | vs fp32 ceiling |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -298,7 +319,13 @@ def write_report(res: dict, path: Path) -> None:
         "`Transformer.train_flops`). The bf16 ceiling comes from the largest shape (the 8k-vocabulary "
         "projection), which this CPU's AMX tiles run far faster than the model's 256-wide matrices, so the table "
         "gives MFU against both ceilings. Peers: the kit's `train_throughput.sh` (their own batches of the "
-        "same size and data), median window." if res.get("peers") else "",
+        "same size and data), median of the rounds: "
+        + "; ".join(f"{p} {', '.join(f'{x:,.0f}' for x in v.get('runs', [v['tok_s']]))}"
+                    for p, v in res.get("peers", {}).items()) + "." if res.get("peers") else "",
+        "",
+        "Ratios window by window (the same batches, run one after the other), median over the windows: "
+        + ", ".join(f"{k} {v:.2f}×" for k, v in res.get("window_ratios", {}).items()) + "."
+        if res.get("window_ratios") else "",
         "",
         f"Peak RSS of the bench process: {res['peak_rss_mb']:,.0f} MiB.",
         "",
@@ -404,13 +431,27 @@ def main() -> int:
                   "reference_fp32": reference_step_fn(vocab, False), "reference_bf16": reference_step_fn(vocab, True)}
     if not args.quick:  # what each optimisation gives: ours in bf16 with it undone
         contenders["ours_bf16_without_fast_dropout"] = ablation(BENCH_CONFIG, "torch_dropout")
+    peers = [] if args.no_peers or not peers_ready() else ["fairseq", "joey"]
     windows: dict[str, list[float]] = {k: [] for k in contenders}
-    for r in range(args.rounds):
-        for name, step in contenders.items():
-            log(f"round {r + 1}/{args.rounds}: {name}")
-            windows[name] += time_windows(step, batches, args.warmup)
+    peer_runs: dict[str, list[dict]] = {p: [] for p in peers}
+    for r in range(args.rounds):  # ours and the reference window by window, then each peer, every round
+        log(f"round {r + 1}/{args.rounds}: {', '.join(contenders)}, window by window")
+        for name, v in interleaved_windows(contenders, batches, args.warmup).items():
+            windows[name] += v
+        for peer in peers:
+            out = run_peer("train_throughput.sh", peer, str(args.peer_updates))
+            if out:
+                peer_runs[peer].append(out)
     res["training"] = {k: {"tok_s": statistics.median(v), "windows": [round(x) for x in v]}
                        for k, v in windows.items()}
+    # Ratios window by window (the same batches at the same moment), medians: steadier than ratios of medians.
+    res["window_ratios"] = {f"{a}/{b}": statistics.median(x / y for x, y in zip(windows[a], windows[b]))
+                            for a, b in (("ours_bf16", "reference_fp32"), ("ours_bf16", "reference_bf16"),
+                                         ("ours_bf16", "ours_fp32"))}
+    if peers:
+        res["peers"] = {p: {"tok_s": statistics.median(float(o["tgt_tok_per_s"]) for o in runs),
+                            "runs": [float(o["tgt_tok_per_s"]) for o in runs],
+                            "peak_rss_mb": runs[-1].get("peak_rss_mb")} for p, runs in peer_runs.items() if runs}
 
     log("tokens/s against batch size")
     res["batch_scaling"] = []
@@ -426,12 +467,7 @@ def main() -> int:
     res["decode_scaling"] = decode_cost_by_length(trainer, [10, 25, 50, 100, 200])
 
     if not args.no_peers:
-        if peers_ready():
-            res["peers"] = {}
-            for peer in ("fairseq", "joey"):
-                out = run_peer("train_throughput.sh", peer, str(args.peer_updates))
-                if out:
-                    res["peers"][peer] = {"tok_s": float(out["tgt_tok_per_s"]), "peak_rss_mb": out.get("peak_rss_mb")}
+        if peers:
             log("beam-4 decoding side by side (models from make bench-quality)")
             res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
             res["decoding_minutes"] = args.decode_minutes
