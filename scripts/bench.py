@@ -3,11 +3,12 @@
 Measured in one run on one machine (these machines are shared and noisy: read the ratios):
   - the matmul ceiling (fp32, bf16) on the model's shapes;
   - training target tokens/s of ours (fp32, bf16 autocast) and of a plain torch.nn.Transformer loop
-    (fp32, bf16) on the *same* batches, interleaved over several rounds, medians of 10-step windows;
-  - fairseq and JoeyNMT through ../shared/peers (skipped with a message when the kit is absent);
+    (fp32, bf16) on the *same* batches, taking turns every 10 steps, medians of the 10-step windows;
+  - fairseq and JoeyNMT through ../shared/peers, once a round (skipped with a message when the kit is absent);
   - tokens/s against batch size, and decoding cost per token against output length (KV cache);
-  - beam-4 decoding of test_2016_flickr by ours and fairseq-generate, when both have a model trained
-    for the same budget (`make bench-quality` trains them).
+  - beam-4 decoding of test_2016_flickr by ours (bf16 and fp32) and fairseq-generate, when both have a model
+    trained for the same budget (`make bench-quality` trains them), and by JoeyNMT once when
+    `bash ../shared/peers/budget.sh joey 20` has trained its model.
 
 usage: python scripts/bench.py [--rounds 2] [--steps 30] [--no-peers] [--quick]
 """
@@ -246,6 +247,13 @@ def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
             return None
         speeds["fairseq"].append(float(f["decode_sent_per_s"]))
         scores["fairseq"] = {"bleu": float(f["bleu"]), "signature": f.get("signature", ""), "precision": "fp32"}
+        joey_ckpt = PEERS_DIR / "runs" / f"joey_budget_{minutes}min" / "model" / "latest.ckpt"
+        if r == 0 and joey_ckpt.exists():  # JoeyNMT re-decodes the whole prefix at every step: one run is minutes
+            log("decoding round 1: joey (once)")
+            j = run_peer("decode_speed.sh", "joey", str(joey_ckpt), "64")
+            if j:
+                speeds["joey"] = [float(j["decode_sent_per_s"])]
+                scores["joey"] = {"bleu": float(j["bleu"]), "signature": j.get("signature", ""), "precision": "fp32"}
     fs = speeds["fairseq"]
     return {name: {"sent_s": statistics.median(v), "runs": v, **scores[name],
                    "round_ratios": [round(a / b, 2) for a, b in zip(v, fs)]} for name, v in speeds.items()}
@@ -354,13 +362,17 @@ def write_report(res: dict, path: Path) -> None:
                   "(`make bench-quality`); beam 4, length penalty 1.0, at most 200 output tokens; ours batches by "
                   "source tokens (`decode.max_tokens`), fairseq-generate by 64 sentences (`decode_speed.sh`). "
                   f"Median of {len(d['fairseq']['runs'])} interleaved runs"
-                  f"{' on ' + res['decoding_date'] if res.get('decoding_date') else ''}; model loading excluded "
-                  "for both.", "",
-                  "| contender | precision | sentences/s | runs | × fairseq | × fairseq, round by round | BLEU | signature |",
-                  "| --- | --- | ---: | --- | ---: | --- | ---: | --- |"]
+                  f"{' on ' + res['decoding_date'] if res.get('decoding_date') else ''}; model loading excluded. "
+                  + ("JoeyNMT (batches of 64 sentences) decodes once, in the first round, with the model of "
+                     f"`bash ../shared/peers/budget.sh joey {res['decoding_minutes']}`." if "joey" in d else ""), "",
+                  "| contender | precision | sentences/s | runs | × fairseq | × JoeyNMT | × fairseq, round by round | "
+                  "BLEU | signature |",
+                  "| --- | --- | ---: | --- | ---: | ---: | --- | ---: | --- |"]
+        joey = d.get("joey", {}).get("sent_s")
         for name, v in d.items():
             lines.append(f"| {name} | {v.get('precision', '')} | {v['sent_s']:.1f} | "
                          f"{', '.join(f'{x:.1f}' for x in v['runs'])} | {_ratio(v['sent_s'], d['fairseq']['sent_s'])} | "
+                         f"{_ratio(v['sent_s'], joey)} | "
                          f"{', '.join(f'{x:.2f}' for x in v.get('round_ratios', []))} | {v.get('bleu', '')} | "
                          f"`{v.get('signature', '')}` |")
         lines.append("")
