@@ -66,6 +66,16 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def evaluate_test(checkpoint: Path, *flags: str) -> dict:
+    """`tmt evaluate --json` of a checkpoint (or run directory) on test_2016_flickr with extra flags; raises
+    CalledProcessError (with the stderr) when it fails."""
+    test = MULTI30K / "test_2016_flickr"
+    out = subprocess.run([sys.executable, "-m", "transformer_mt", "evaluate", "--checkpoint", str(checkpoint),
+                          "--src", f"{test}.en.gz", "--ref", f"{test}.de.gz", "--json", *flags],
+                         cwd=ROOT, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
 # --------------------------------------------------------------------------- FLOPs and the matmul ceiling
 
 
@@ -224,7 +234,6 @@ def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
     fs_ckpt = PEERS_DIR / "runs" / f"fairseq_budget_{minutes}min" / "checkpoints" / "checkpoint_last.pt"
     if not (ours_run / "checkpoints" / "best.pt").exists() or not fs_ckpt.exists():
         return None
-    test = MULTI30K / "test_2016_flickr"
     # ours in the run's precision (bf16), ours in fp32 (what decoding in bf16 gains and costs), fairseq (fp32)
     ours = {"transformer-mt": [], "transformer-mt fp32": ["--precision", "fp32"]}
     speeds: dict[str, list[float]] = {name: [] for name in [*ours, "fairseq"]}
@@ -232,13 +241,11 @@ def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
     for r in range(rounds):
         for name, extra in ours.items():
             log(f"decoding round {r + 1}/{rounds}: {name}")
-            out = subprocess.run([sys.executable, "-m", "transformer_mt", "evaluate", "-c", str(ours_run),
-                                  "--src", f"{test}.en.gz", "--ref", f"{test}.de.gz", "--beam", "4", "--alpha", "1.0",
-                                  "--max-len", "0", "200", "--json", *extra], cwd=ROOT, capture_output=True, text=True)
-            if out.returncode != 0:
-                log(f"ours failed to decode: {out.stderr.strip()[-300:]}")
+            try:
+                o = evaluate_test(ours_run, "--beam", "4", "--alpha", "1.0", "--max-len", "0", "200", *extra)
+            except subprocess.CalledProcessError as e:
+                log(f"ours failed to decode: {e.stderr.strip()[-300:]}")
                 return None
-            o = json.loads(out.stdout)
             speeds[name].append(o["sentences_per_second"])
             scores[name] = {"bleu": o["bleu"], "signature": o["bleu_signature"], "precision": o["precision"]}
         log(f"decoding round {r + 1}/{rounds}: fairseq")

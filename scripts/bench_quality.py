@@ -27,11 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench import MULTI30K, peers_ready, run_peer  # noqa: E402
+from bench import MULTI30K, evaluate_test, peers_ready, run_peer  # noqa: E402
 from benchlib import replace_section  # noqa: E402
 
 TMT = [sys.executable, "-m", "transformer_mt"]
-TEST = ["--src", str(MULTI30K / "test_2016_flickr.en.gz"), "--ref", str(MULTI30K / "test_2016_flickr.de.gz")]
 
 
 def log(msg: str) -> None:
@@ -56,9 +55,7 @@ def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: i
     """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr."""
     minutes = train_clean(config, run_dir, overrides) if train else None
     length = ["--max-len", *map(str, max_len)] if max_len else []
-    out = subprocess.run([*TMT, "evaluate", "--checkpoint", str(ROOT / run_dir), *TEST, "--beam", str(beam), "--json",
-                          *length], cwd=ROOT, check=True, capture_output=True, text=True)
-    result = json.loads(out.stdout)
+    result = evaluate_test(ROOT / run_dir, "--beam", str(beam), *length)
     last = torch.load(ROOT / run_dir / "checkpoints" / "last.pt", weights_only=True)
     state = last["train_state"]
     result.update(train_minutes=minutes or round(state["seconds"] / 60, 1), steps=state["step"], epochs=state["epoch"],
