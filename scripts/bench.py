@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchlib import replace_section  # noqa: E402
 from transformer_mt.config import config_from_dict  # noqa: E402
 from transformer_mt.data import Batch, collate, make_batches  # noqa: E402
-from transformer_mt.tokenizer import PAD  # noqa: E402
+from transformer_mt.runtime import DTYPES, matmul_gflops  # noqa: E402
+from transformer_mt.vocab import PAD  # noqa: E402
 from transformer_mt.train import Trainer, label_smoothed_loss  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
@@ -82,20 +83,9 @@ def evaluate_test(checkpoint: Path, *flags: str) -> dict:
 def matmul_peak(seconds: float) -> dict[str, float]:
     """Sustained torch.mm GFLOP/s (max over the model's shapes), fp32 and bf16."""
     shapes = [(4096, 256, 1024), (4096, 1024, 256), (4096, 256, 768), (4096, 256, 256), (4096, 256, 8000)]
-    out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        best = 0.0
-        for m, k, n in shapes:
-            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-            for _ in range(3):
-                torch.mm(a, b)
-            it, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                torch.mm(a, b)
-                it += 1
-            best = max(best, 2.0 * m * k * n * it / (time.perf_counter() - t0) / 1e9)
-        out["fp32" if dtype == torch.float32 else "bf16"] = round(best, 1)
-    return out
+    cpu = torch.device("cpu")
+    return {name: round(max(matmul_gflops(cpu, DTYPES[name], m, k, n, seconds) for m, k, n in shapes), 1)
+            for name in ("fp32", "bf16")}
 
 
 # --------------------------------------------------------------------------- the plain-PyTorch reference

@@ -19,7 +19,8 @@ from transformer_mt import data
 from transformer_mt.config import DataConfig, TokenizerConfig
 from transformer_mt.data import (DataError, TokenizedCorpus, collate, load_tokenized, make_batches, read_split,
                                  usable_indices)
-from transformer_mt.tokenizer import BOS, EOS, PAD, train_tokenizer
+from transformer_mt.tokenizer import train_tokenizer
+from transformer_mt.vocab import BOS, EOS, PAD
 
 WORDS = "the a cat dog sat on mat red blue green house tree river stone small big old new runs sees".split()
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from transformer_mt.config import load_config
-from transformer_mt.model import build_model
+from transformer_mt.model import Transformer
 
 
 def expected_parameters(d: int, ff: int, layers: int, vocab: int) -> int:
@@ -24,7 +24,7 @@ def test_wmt14_configs_have_the_papers_parameter_count(name, d, ff, paper):
     assert cfg.train.warmup == 4000 and cfg.tokenizer.joint and cfg.model.tie_embeddings
     vocab = cfg.tokenizer.vocab_size
     with torch.device("meta"):  # sizes only: no memory for 200M parameters
-        model = build_model(cfg.model, vocab, vocab, joint_vocab=True)
+        model = Transformer(cfg.model, vocab, vocab, joint_vocab=True)
     n = model.num_parameters()
     assert n == expected_parameters(d, ff, 6, vocab)
     # The paper's "about 37000" pieces and its 65M / 213M can't all hold with tied embeddings: 37,000 gives

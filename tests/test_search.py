@@ -9,7 +9,7 @@ import torch
 from transformer_mt.config import ModelConfig
 from transformer_mt.model import Transformer
 from transformer_mt.search import beam_search, greedy_search, length_penalty, topk_rows
-from transformer_mt.tokenizer import BOS, EOS, PAD, UNK
+from transformer_mt.vocab import BOS, EOS, PAD, UNK
 
 
 def make_model(vocab: int, seed: int, sharpen: float = 3.0) -> Transformer:

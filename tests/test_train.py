@@ -9,7 +9,7 @@ import torch
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.config import config_from_dict
 from transformer_mt.data import collate, read_split
-from transformer_mt.tokenizer import PAD
+from transformer_mt.vocab import PAD
 from transformer_mt.train import Trainer, label_smoothed_loss, noam
 from transformer_mt.translate import Translator
 

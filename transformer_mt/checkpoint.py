@@ -3,12 +3,18 @@
 A checkpoint is a dict with `model` (state dict of the uncompiled module), `optimizer`,
 `scheduler`, `step`, `config` (the resolved config as plain data), `tokenizer` (hash of the
 SentencePiece models), `spm` (the models themselves, so a copied checkpoint still translates),
-`version`, `metrics` (validation), `rng` and `train_state` (the loop's resumable state).
+`version`, `metrics` (validation of this very step; empty when it was not validated), `rng` and
+`train_state` (the loop's resumable state).
+
+Everything about the format lives here: building the dict, saving and rotating, the checks a
+resume makes, loading for inference, and averaging.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import logging
 import os
 import sys
 from pathlib import Path
@@ -20,8 +26,10 @@ from . import __version__
 from .config import Config, config_from_dict
 from .errors import UserError
 from .fileio import atomic_write
-from .model import Transformer, build_model
+from .model import Transformer
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("transformer_mt")
 
 REQUIRED_KEYS = ("model", "config", "step")
 
@@ -100,10 +108,8 @@ def load_for_inference(path: Path, device: torch.device | str = "cpu"
     else:
         raise CheckpointError(f"no SentencePiece model beside {path} (spm.model in {run_dir}), and the "
                               "checkpoint carries none: copy the run's spm*.model files next to it")
-    if ckpt.get("tokenizer") not in (None, tokenizer.digest):
-        raise CheckpointError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, but the SentencePiece "
-                              f"model in {run_dir} is {tokenizer.digest}: they do not belong together")
-    model = build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    check_tokenizer(ckpt, tokenizer, path, run_dir)
+    model = Transformer(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
@@ -112,9 +118,89 @@ def load_for_inference(path: Path, device: torch.device | str = "cpu"
     return model.to(device).eval(), tokenizer, cfg, ckpt
 
 
+def check_tokenizer(ckpt: dict[str, Any], tokenizer: Tokenizer, path: Path, run_dir: Path) -> None:
+    """The checkpoint must have been trained with this SentencePiece model (old checkpoints name none)."""
+    if ckpt.get("tokenizer") not in (None, tokenizer.digest):
+        raise CheckpointError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, but the SentencePiece "
+                              f"model in {run_dir} is {tokenizer.digest}: they do not belong together")
+
+
+def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> None:
+    """A resume continues the same model with the same tokenizer, from a full training checkpoint."""
+    if ckpt.get("tokenizer") != tokenizer.digest:
+        raise CheckpointError(f"cannot resume from {path}: it was trained with tokenizer {ckpt.get('tokenizer')}, "
+                              f"but {run_dir} has SentencePiece model {tokenizer.digest}")
+    saved = ckpt["config"].get("model", {})
+    diff = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
+            for k, v in dataclasses.asdict(cfg.model).items() if saved.get(k) != v]
+    if diff:
+        raise CheckpointError(f"cannot resume from {path}: the model config differs: " + "; ".join(diff))
+    if "optimizer" not in ckpt or "train_state" not in ckpt:
+        raise CheckpointError(f"cannot resume from {path}: it holds weights only (an averaged checkpoint?)")
+
+
+def restore_training(path: Path, *, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: Any,
+                     scaler: Any, cfg: Config, tokenizer: Tokenizer, run_dir: Path,
+                     device: torch.device) -> dict[str, Any]:
+    """Load a training checkpoint into the model, optimizer, schedule and grad scaler, after the resume
+    checks; returns it (the caller restores its train_state and rng)."""
+    ckpt = load_checkpoint(path, map_location=device)
+    check_resumable(ckpt, path, cfg, tokenizer, run_dir)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    scaler.load_state_dict(ckpt.get("scaler", {}))
+    return ckpt
+
+
+def training_checkpoint(*, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                        train_state: dict[str, Any], metrics: dict[str, float], rng: Any, cfg: Config,
+                        tokenizer: Tokenizer) -> dict[str, Any]:
+    """Everything a resume needs, and everything translate needs without the run directory."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "step": train_state["step"],
+        "train_state": train_state,
+        "metrics": metrics,
+        "rng": rng,
+        "config": cfg.to_dict(),
+        "tokenizer": tokenizer.digest,
+        "spm": {"src": tokenizer.src_bytes, "tgt": None if tokenizer.joint else tokenizer.tgt_bytes},
+    }
+
+
+def save_rotating(run_dir: Path, state: dict[str, Any], *, best: bool, keep_last: int) -> None:
+    """last.pt, best.pt when improved, and step_N.pt keeping the newest `keep_last` of them."""
+    ckpt_dir = run_dir / "checkpoints"
+    save_checkpoint(ckpt_dir / "last.pt", state)
+    if best:
+        save_checkpoint(ckpt_dir / "best.pt", state)
+    if keep_last > 0:
+        save_checkpoint(ckpt_dir / f"step_{state['step']}.pt", state)
+        for p in step_checkpoints(run_dir)[:-keep_last]:
+            p.unlink(missing_ok=True)
+
+
+def step_of(path: Path) -> int:
+    """N of a step_N.pt file."""
+    return int(path.stem.split("_")[1])
+
+
 def step_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """The run's checkpoints/step_N.pt files, oldest first."""
-    return sorted(Path(run_dir, "checkpoints").glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    return sorted(Path(run_dir, "checkpoints").glob("step_*.pt"), key=step_of)
+
+
+def validation_score(metrics: dict[str, float]) -> Optional[float]:
+    """What "better" means for checkpoints: validation BLEU, else minus the loss; None if not validated."""
+    if "bleu" in metrics:
+        return metrics["bleu"]
+    if "loss" in metrics:
+        return -metrics["loss"]
+    return None
 
 
 def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
@@ -139,14 +225,18 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
     return {**keep, "model": model, "averaged_steps": steps}
 
 
-def checkpoint_score(path: Path) -> float:
-    """The validation score a checkpoint was saved with: BLEU, else minus the loss."""
-    metrics = load_checkpoint(path).get("metrics") or {}
-    if "bleu" in metrics:
-        return metrics["bleu"]
-    if "loss" in metrics:
-        return -metrics["loss"]
-    raise CheckpointError(f"{path} records no validation metrics: use --last instead of --best")
+def _validated_scores(paths: list[Path]) -> dict[Path, float]:
+    """The step checkpoints that were validated at their own step, with their scores.
+
+    A checkpoint written between validations (train.save_every) carries no metrics of its own, so it
+    is not ranked: its weights were never scored.
+    """
+    scores = {}
+    for path in paths:
+        score = validation_score(load_checkpoint(path).get("metrics") or {})
+        if score is not None:
+            scores[path] = score
+    return scores
 
 
 def average_run(run_dir: str | os.PathLike, *, last: int = 0, best: int = 0,
@@ -157,8 +247,18 @@ def average_run(run_dir: str | os.PathLike, *, last: int = 0, best: int = 0,
     if len(paths) < 2 or n < 2:
         raise CheckpointError(f"{Path(run_dir)}: need at least 2 step_N.pt checkpoints to average "
                               f"(found {len(paths)}; keep more with train.keep_last)")
-    chosen = paths[-n:] if last else sorted(sorted(paths, key=checkpoint_score)[-n:],
-                                            key=lambda p: int(p.stem.split("_")[1]))
+    if last:
+        chosen = paths[-n:]
+    else:
+        scores = _validated_scores(paths)
+        if len(scores) < 2:
+            raise CheckpointError(f"{Path(run_dir)}: --best needs at least 2 validated step checkpoints, found "
+                                  f"{len(scores)} of {len(paths)} (steps between validations are not scored): "
+                                  "use --last instead of --best")
+        if len(scores) < n:
+            log.warning("--best %d: only %d of the %d step checkpoints were validated; averaging those",
+                        n, len(scores), len(paths))
+        chosen = sorted(sorted(scores, key=scores.get)[-n:], key=step_of)
     averaged = average_checkpoints(chosen)
     out = Path(output) if output else Path(run_dir, "checkpoints", "averaged.pt")
     save_checkpoint(out, averaged)

@@ -12,17 +12,19 @@ import logging
 import sys
 from typing import Optional
 
-from tqdm import tqdm
+from typing import Iterator, TextIO
+
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .errors import UserError
 
 
-class _TqdmHandler(logging.Handler):
-    """Log lines that do not break a running progress bar."""
+class _Formatter(logging.Formatter):
+    """`tmt: message`, with the level named for warnings and errors."""
 
-    def emit(self, record: logging.LogRecord) -> None:
-        tqdm.write(f"tmt: {record.levelname.lower() + ': ' if record.levelno >= logging.WARNING else ''}"
-                   f"{record.getMessage()}", file=sys.stderr)
+    def format(self, record: logging.LogRecord) -> str:
+        level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"tmt: {level}{record.getMessage()}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("translate", help="translate text with a trained model (stdin to stdout by default)",
                        description="Translate one sentence per line. Output lines match input lines one to one "
-                                   "(an empty input line gives an empty output line); input is read and written "
-                                   "in chunks, so any length streams in bounded memory.")
+                                   "(an empty input line gives an empty output line; lines end at \\n only). "
+                                   "Input is read and written in chunks, so any length streams in bounded memory; "
+                                   "typed at a terminal, each line is translated as soon as Enter is pressed.")
     add_checkpoint(p)
     p.add_argument("--input", "-i", metavar="FILE", help="read source sentences from FILE (default: stdin)")
     p.add_argument("--output", "-o", metavar="FILE", help="write translations to FILE (default: stdout)")
@@ -121,23 +124,35 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from .checkpoint import load_for_inference, resolve_checkpoint
-    from .translate import Translator, decode_overrides, pick_device
+    from .translate import load_translator
 
-    model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(args.checkpoint), pick_device(args.device))
-    cfg.decode = decode_overrides(cfg.decode, args.alpha, args.max_len)
-    translator = Translator(model, tokenizer, cfg.decode, precision=args.precision or cfg.train.precision)
+    translator = load_translator(args.checkpoint, device=args.device, precision=args.precision, beam=args.beam,
+                                 alpha=args.alpha, max_len=args.max_len)
     with contextlib.ExitStack() as stack:  # closes only the files opened here, never stdin/stdout
-        try:
-            src = stack.enter_context(open(args.input, encoding="utf-8", errors="replace")) if args.input \
-                else sys.stdin
+        try:  # newline="\n": a lone \r inside a line must not split it (stdin already reads this way)
+            src = stack.enter_context(open(args.input, encoding="utf-8", errors="replace", newline="\n")) \
+                if args.input else sys.stdin
             out = stack.enter_context(open(args.output, "w", encoding="utf-8")) if args.output else sys.stdout
         except OSError as e:
             raise UserError(f"cannot open {e.filename}: {e.strerror}") from None
-        for line in translator.translate_stream(src, beam=args.beam):
+        interactive = src.isatty()  # a person typing: answer each line at once, not after 2,000 of them
+        lines = _prompted(src) if interactive else src
+        for line in translator.translate_stream(lines, chunk=1 if interactive else 2000):
             out.write(line + "\n")
             out.flush()
     return 0
+
+
+def _prompted(src: TextIO) -> Iterator[str]:
+    """Lines typed at a terminal, each after a prompt on stderr (so stdout holds translations only)."""
+    print("tmt: type a sentence and press Enter to translate it; Ctrl-D ends", file=sys.stderr)
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        line = src.readline()
+        if not line:
+            print(file=sys.stderr)
+            return
+        yield line
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -170,17 +185,21 @@ COMMANDS = {"train": cmd_train, "translate": cmd_translate, "evaluate": cmd_eval
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logger = logging.getLogger("transformer_mt")
-    if not logger.handlers:
-        logger.addHandler(_TqdmHandler())
     logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)  # this call's stderr (tests swap it between calls)
+    handler.setFormatter(_Formatter())
+    logger.addHandler(handler)
     try:
-        return COMMANDS[args.command](args)
+        with logging_redirect_tqdm(loggers=[logger]):  # log lines do not break a running progress bar
+            return COMMANDS[args.command](args)
     except UserError as e:
         print(f"tmt: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tmt: interrupted", file=sys.stderr)
         return 130
+    finally:
+        logger.removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -44,12 +44,14 @@ class DataConfig:
     # Default: the language codes.
     src_field: Optional[str] = None
     tgt_field: Optional[str] = None
-    max_len: int = 256  # training pairs longer than this (in subword tokens) are dropped
-    invalid_utf8: Literal["error", "replace"] = "error"  # text files: stop at file:line, or replace and count
+    # Training pairs longer than this (in subword tokens) are dropped; it must leave room for BOS/EOS
+    # within model.max_positions. Default: 256, or model.max_positions - 1 when that is smaller.
+    max_len: Optional[int] = None
+    invalid_utf8: Literal["error", "replace"] = "error"  # text/tsv files: stop at file:line, or replace and count
     cache_dir: Optional[str] = None  # tokenized-corpus cache shared by runs; default $TMT_CACHE, ~/.cache/transformer_mt
 
     def __post_init__(self) -> None:
-        _check(self.max_len >= 1, "data.max_len", f"must be >= 1, got {self.max_len}")
+        _check(self.max_len is None or self.max_len >= 1, "data.max_len", f"must be >= 1, got {self.max_len}")
         if self.format == "hf":
             _check(bool(self.dataset), "data.dataset", "is required when data.format is hf (e.g. bentrevett/multi30k)")
         _check(self.src_lang != self.tgt_lang or self.src_field != self.tgt_field,
@@ -107,7 +109,7 @@ class TrainConfig:
     """Optimisation and bookkeeping (section `train`)."""
 
     seed: int = 1
-    max_tokens: int = 4096  # per batch: n_sentences x longest (padded) side
+    max_tokens: int = 4096  # per batch: n_sentences x (longer of source and target + 1)
     accumulate: int = 1  # batches per optimizer step
     max_steps: int = 100_000
     max_epochs: int = 1000
@@ -160,14 +162,16 @@ class DecodeConfig:
     alpha: float = 0.6  # GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability
     max_len_a: float = 1.5  # output at most a * |src| + b tokens
     max_len_b: int = 10
-    max_tokens: int = 8192  # source tokens x beam per decoding batch
+    # Per decoding batch: n_sentences x beam x (longest source + 1), the source positions the beam's
+    # hypotheses attend to. (Called decode.max_tokens before; that name still loads.)
+    max_src_tokens: int = 8192
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", f"must be >= 1, got {self.beam}")
         _check(self.alpha >= 0, "decode.alpha", f"must be >= 0, got {self.alpha}")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
                "need max_len_a >= 0 and max_len_b >= 1")
-        _check(self.max_tokens >= 1, "decode.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(self.max_src_tokens >= 1, "decode.max_src_tokens", f"must be >= 1, got {self.max_src_tokens}")
 
 
 @dataclass
@@ -181,10 +185,22 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     output_dir: str = "runs/default"
 
+    def __post_init__(self) -> None:
+        # A training target of max_len tokens takes max_len + 1 positions (with BOS, or EOS).
+        if self.data.max_len is None:
+            self.data.max_len = min(256, self.model.max_positions - 1)
+        _check(self.data.max_len + 1 <= self.model.max_positions, "data.max_len",
+               f"({self.data.max_len}) + 1 must be <= model.max_positions ({self.model.max_positions}): "
+               "lower data.max_len or raise model.max_positions")
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["train"]["adam_betas"] = list(self.train.adam_betas)
         return d
+
+
+# Keys that were renamed: old run directories' config.yaml files still load.
+RENAMED = {"decode.max_tokens": "max_src_tokens"}
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -254,6 +270,8 @@ def _build(cls: type, raw: Any, prefix: str, source: str, lines: dict[str, int])
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
+        if dotted in RENAMED:
+            key = RENAMED[dotted]
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f" (valid keys: {', '.join(names)})"

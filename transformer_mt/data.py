@@ -16,7 +16,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
@@ -24,11 +24,10 @@ import torch
 
 from .config import DataConfig
 from .errors import UserError
-from .tokenizer import BOS, EOS, PAD, Tokenizer
+from .tokenizer import Tokenizer
+from .vocab import BOS, EOS, PAD
 
 log = logging.getLogger("transformer_mt")
-
-SPLITS = ("train", "valid", "test")
 
 
 class DataError(UserError):
@@ -56,6 +55,8 @@ def iter_split(cfg: DataConfig, split: str) -> Iterator[tuple[str, str]]:
     if cfg.format == "text":
         src_path, tgt_path = (text_file(where, lang) for lang in (cfg.src_lang, cfg.tgt_lang))
         yield from _iter_text_pairs(src_path, tgt_path, split, cfg.invalid_utf8)
+    elif cfg.format == "tsv":
+        yield from _iter_tsv_pairs(record_file(where, split), cfg.invalid_utf8)
     else:
         yield from _iter_records(cfg, split, where)
 
@@ -105,6 +106,25 @@ def _iter_text_pairs(src_path: Path, tgt_path: Path, split: str, invalid_utf8: s
     decode_tgt.warn()
 
 
+def _iter_tsv_pairs(path: Path, invalid_utf8: str) -> Iterator[tuple[str, str]]:
+    """Rows of exactly two tab-separated fields, taken verbatim (no quoting, no NA values). Any other
+    number of fields stops at file:line: guessing would pair a sentence with the wrong translation."""
+    decode = _LineDecoder(path, invalid_utf8)
+    with _open_binary(path) as f:
+        n = 0
+        try:
+            for n, raw in enumerate(f, 1):
+                fields = decode(raw, n).split("\t")
+                if len(fields) != 2:
+                    raise DataError(f"{path}:{n}: expected 2 tab-separated fields (source, target), found "
+                                    f"{len(fields)}; a tab inside a sentence must be replaced, and a blank "
+                                    "line removed")
+                yield fields[0], fields[1]
+        except (OSError, EOFError) as e:
+            raise DataError(f"cannot read corpus file {path} (line {n}): {e}") from None
+    decode.warn()
+
+
 def _open_binary(path: Path):
     try:
         return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
@@ -123,6 +143,13 @@ def text_file(prefix: str, lang: str) -> Path:
                     f"check the data paths in the config (relative paths start at {os.getcwd()})")
 
 
+def record_file(where: str, split: str) -> Path:
+    """The one file of a tsv/jsonl split."""
+    if not Path(where).is_file():
+        raise DataError(f"data.{split}: corpus file not found: {where}")
+    return Path(where)
+
+
 def read_lines(path: str | os.PathLike, invalid_utf8: str = "error") -> list[str]:
     """All lines of a UTF-8 text file (optionally .gz), without line endings."""
     path = Path(path)
@@ -137,19 +164,11 @@ def read_lines(path: str | os.PathLike, invalid_utf8: str = "error") -> list[str
 
 
 def _iter_records(cfg: DataConfig, split: str, where: str) -> Iterator[tuple[str, str]]:
-    """TSV/JSONL through `datasets`' csv/json loaders, or a dataset from the Hugging Face hub
+    """JSONL through `datasets`' json loader, or a dataset from the Hugging Face hub
     (rows come from memory-mapped Arrow files, not from RAM)."""
     src_field, tgt_field = cfg.fields
-    if cfg.format == "tsv":
-        if not Path(where).is_file():
-            raise DataError(f"data.{split}: corpus file not found: {where}")
-        ds = _datasets().load_dataset(
-            "csv", data_files={split: where}, split=split, delimiter="\t", quoting=3,  # QUOTE_NONE
-            column_names=[src_field, tgt_field], keep_default_na=False, na_filter=False)
-    elif cfg.format == "jsonl":
-        if not Path(where).is_file():
-            raise DataError(f"data.{split}: corpus file not found: {where}")
-        ds = _datasets().load_dataset("json", data_files={split: where}, split=split)
+    if cfg.format == "jsonl":
+        ds = _datasets().load_dataset("json", data_files={split: str(record_file(where, split))}, split=split)
     else:
         ds = load_hub_dataset(cfg.dataset, cfg.dataset_config, where)
     for row in ds:
@@ -240,11 +259,6 @@ class TokenizedCorpus:
         (src_ids, src_lens), (tgt_ids, tgt_lens) = _flatten(src), _flatten(tgt)
         return cls(src_ids, _offsets(src_lens), tgt_ids, _offsets(tgt_lens))
 
-    def save(self, folder: Path) -> None:
-        """Write the arrays into a new folder, renamed into place when complete."""
-        with _CorpusWriter(folder) as w:
-            w.add(self.src_ids, np.diff(self.src_offsets), self.tgt_ids, np.diff(self.tgt_offsets))
-
     @classmethod
     def load(cls, folder: Path) -> "TokenizedCorpus":
         """Token ids stay on disk (memory-mapped): only the pages a batch touches are read."""
@@ -304,18 +318,30 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
 
 
 def corpus_key(cfg: DataConfig, split: str, tokenizer: Tokenizer) -> str:
-    """Identifies a tokenized split: the corpus (files with size and mtime, or hub name) + tokenizer."""
-    ident: dict = {"cache_format": 2, "format": cfg.format, "split": getattr(cfg, split), "fields": cfg.fields,
+    """Identifies a tokenized split by what it holds: the corpus files' contents (or the hub dataset's
+    fingerprint) and the tokenizer. A rewrite that keeps size and mtime (cp -p, rsync -t) is seen."""
+    where = getattr(cfg, split)
+    ident: dict = {"cache_format": 3, "format": cfg.format, "split": where, "fields": cfg.fields,
                    "tokenizer": tokenizer.digest}
     if cfg.format == "text":
-        files = [text_file(getattr(cfg, split), lang) for lang in (cfg.src_lang, cfg.tgt_lang)]
+        files = [text_file(where, lang) for lang in (cfg.src_lang, cfg.tgt_lang)]
     elif cfg.format in ("tsv", "jsonl"):
-        files = [Path(getattr(cfg, split))]
+        files = [record_file(where, split)]
     else:
         files = []
-        ident["dataset"] = [cfg.dataset, cfg.dataset_config]
-    ident["files"] = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        ds = load_hub_dataset(cfg.dataset, cfg.dataset_config, where)
+        ident["dataset"] = [cfg.dataset, cfg.dataset_config, ds._fingerprint]  # changes with the data's revision
+    ident["files"] = [_file_digest(f) for f in files]
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _file_digest(path: Path) -> str:
+    """BLAKE2b of a file's bytes, streamed (about a second per GB)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def cache_dir(cfg: DataConfig) -> Path:
@@ -372,8 +398,7 @@ def make_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, *,
 
     Each batch holds at most `max_tokens` = n_sentences x longest side (+1 for EOS/BOS).
     Pairs are sorted by their longer side, then by source length (ties broken by an epoch-seeded
-    shuffle), cut greedily, and the batch order is shuffled. On Multi30k this pads ~5% of source
-    and ~6% of target positions, against 13% + 1% when sorting by target then source.
+    shuffle), cut greedily, and the batch order is shuffled; BENCHMARKS.md gives the padding this leaves.
     Returns positions into the length arrays.
     """
     n = len(src_lens)
@@ -381,17 +406,27 @@ def make_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, *,
     order = rng.permutation(n) if shuffle else np.arange(n)
     longer = np.maximum(src_lens, tgt_lens)
     order = order[np.lexsort((src_lens[order], longer[order]))]  # stable: last key is the primary one
-    width = longer[order] + 1
-    batches, start, longest = [], 0, 0
-    for i in range(n):
-        longest_i = max(longest, int(width[i]))
-        if i > start and longest_i * (i - start + 1) > max_tokens:
-            batches.append(order[start:i])
-            start, longest_i = i, int(width[i])
-        longest = longest_i
-    batches.append(order[start:n])
+    batches = cut_batches(order, longer[order] + 1, max_tokens)
     if shuffle:
         rng.shuffle(batches)
+    return batches
+
+
+def cut_batches(order: np.ndarray, widths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Cut `order` greedily into consecutive batches of at most `max_tokens` = rows x widest row.
+
+    widths[i] is the padded width of item order[i]; sort by width first, or padding grows. A single
+    item wider than the budget still makes a batch of its own.
+    """
+    batches, start, widest = [], 0, 0
+    for i in range(len(order)):
+        widest_i = max(widest, int(widths[i]))
+        if i > start and widest_i * (i - start + 1) > max_tokens:
+            batches.append(order[start:i])
+            start, widest_i = i, int(widths[i])
+        widest = widest_i
+    if len(order):
+        batches.append(order[start:])
     return batches
 
 
@@ -415,30 +450,26 @@ def collate(corpus: TokenizedCorpus, indices: Sequence[int]) -> Batch:
     """Pad one batch of pairs: sources end in EOS; targets are shifted (BOS ... / ... EOS)."""
     srcs = [corpus.src(i) for i in indices]
     tgts = [corpus.tgt(i) for i in indices]
-    B = len(indices)
-    S = max(len(s) for s in srcs) + 1
-    T = max(len(t) for t in tgts) + 1
-    src = np.full((B, S), PAD, dtype=np.int64)
+    B, T = len(indices), max(len(t) for t in tgts) + 1
     tgt_in = np.full((B, T), PAD, dtype=np.int64)
     tgt_out = np.full((B, T), PAD, dtype=np.int64)
-    for b, (s, t) in enumerate(zip(srcs, tgts)):
-        src[b, :len(s)] = s
-        src[b, len(s)] = EOS
+    for b, t in enumerate(tgts):
         tgt_in[b, 0] = BOS
         tgt_in[b, 1:len(t) + 1] = t
         tgt_out[b, :len(t)] = t
         tgt_out[b, len(t)] = EOS
     n_tgt = sum(len(t) for t in tgts) + B
     n_src = sum(len(s) for s in srcs) + B
-    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), n_tgt, n_src)
+    return Batch(pad_sources(srcs), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), n_tgt, n_src)
 
 
-def pad_sources(seqs: Sequence[Sequence[int]], max_len: int) -> torch.Tensor:
-    """(B, S) source batch for decoding: ids truncated to max_len - 1, then EOS, PAD-padded."""
-    seqs = [list(s)[: max_len - 1] for s in seqs]
+def pad_sources(seqs: Sequence[Sequence[int]], max_len: Optional[int] = None) -> torch.Tensor:
+    """(B, S) source batch: ids (cut to max_len - 1 when given), then EOS, PAD-padded."""
+    if max_len is not None:
+        seqs = [s[:max_len - 1] for s in seqs]
     S = max(len(s) for s in seqs) + 1
-    out = torch.full((len(seqs), S), PAD, dtype=torch.long)
+    out = np.full((len(seqs), S), PAD, dtype=np.int64)
     for b, s in enumerate(seqs):
-        out[b, :len(s)] = torch.tensor(s, dtype=torch.long)
+        out[b, :len(s)] = s
         out[b, len(s)] = EOS
-    return out
+    return torch.from_numpy(out)

@@ -1,8 +1,7 @@
-"""Small file helpers shared by every module: atomic writes and gzip-aware text reading."""
+"""Atomic writes: a crash or a full disk never leaves a half-written file where a good one was."""
 
 from __future__ import annotations
 
-import gzip
 import os
 from pathlib import Path
 from typing import IO, Callable
@@ -29,10 +28,3 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         tmp.unlink(missing_ok=True)
         raise
 
-
-def open_text(path: str | os.PathLike, errors: str = "strict") -> IO[str]:
-    """Open a UTF-8 text file for reading, transparently gunzipping `.gz` files."""
-    path = str(path)
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors=errors, newline="\n")
-    return open(path, "r", encoding="utf-8", errors=errors, newline="\n")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .tokenizer import PAD
+from .vocab import PAD
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, d_k) each
 
@@ -36,16 +36,19 @@ def causal_mask(T: int, device: torch.device | None = None) -> torch.Tensor:
 
 
 class Dropout(nn.Module):
-    """Inverted dropout. On CPU the mask comes from four random bytes per 32-bit draw: torch's CPU
-    generator makes one draw per element in F.dropout, which costs more than the rest of dropout.
+    """Inverted dropout at exactly rate p. On CPU the mask comes from four random bytes per 32-bit draw:
+    torch's CPU generator makes one draw per element in F.dropout, which costs more than the rest of dropout.
 
-    The drop rate is rounded to k/256 (0.1 -> 26/256) and the kept values are scaled to match it.
+    With p * 256 = k + f (k whole, 0 <= f < 1), a byte below k drops its element and a byte above k keeps
+    it; the one byte value in 256 equal to k drops it with probability f, from a draw made for those few
+    elements only. P(drop) = k/256 + f/256 = p.
     """
 
     def __init__(self, p: float):
         super().__init__()
         self.p = p
-        self.threshold = min(255, round(p * 256))
+        whole, self.tie_drop = divmod(p * 256, 1.0)
+        self.threshold = int(whole)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -54,12 +57,15 @@ class Dropout(nn.Module):
             return F.dropout(x, self.p, training=True)
         n = x.numel()
         words = torch.randint(-2**31, 2**31 - 1, ((n + 3) // 4,), dtype=torch.int32, device=x.device)
-        keep = words.view(torch.uint8)[:n].view(x.shape) >= self.threshold  # P(keep) = 1 - k/256
-        return x * keep * (256.0 / (256 - self.threshold))
+        byte = words.view(torch.uint8)[:n]  # (n,) uniform in 0..255
+        keep = byte > self.threshold
+        if self.tie_drop > 0:
+            ties = (byte == self.threshold).nonzero().squeeze(1)  # about n/256 elements
+            keep[ties] = torch.rand(len(ties), device=x.device) >= self.tie_drop
+        return x * keep.view(x.shape) * (1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
-
 
 
 class Embeddings(nn.Module):
@@ -323,8 +329,8 @@ class Transformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits (B, T, V) of src (B, S) and tgt_in (B, T) ids.
 
-        Every position is projected, padding included: picking the real tokens first would skip the ~5%
-        padding in the largest matrix multiply, but was slower overall in two `make bench` ablations.
+        Every position is projected, padding included: picking the real tokens first skips the padding
+        in the largest matrix multiply, but was slower overall in `make bench` ablations (BENCHMARKS.md).
         """
         memory, src_mask = self.encode(src)
         h = self.decode(tgt_in, memory, src_mask)  # (B, T, d)
@@ -362,6 +368,3 @@ class Transformer(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied matrices are counted once
 
-
-def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool) -> Transformer:
-    return Transformer(cfg, src_vocab_size, tgt_vocab_size, joint_vocab)

@@ -2,17 +2,26 @@
 
 The beam *step* (`beam_step`) is a pure function; `beam_search` is the bookkeeping loop around
 it. Finished sentences leave the batch, so the work per step shrinks as sentences end.
+`translate_ids` runs a search over any number of token-id sources, batched by length.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .config import DecodeConfig
+from .data import cut_batches, pad_sources
 from .model import Transformer
-from .tokenizer import BOS, EOS, PAD
+from .vocab import BOS, EOS, PAD
+
+
+log = logging.getLogger("transformer_mt")
 
 
 def max_output_len(src_lens: torch.Tensor, a: float, b: int, limit: int) -> torch.Tensor:
@@ -72,7 +81,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
 def topk_rows(x: torch.Tensor, k: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of x (R, V) and their columns, best first, like x.topk(k).
 
-    Exact, and about twice as fast as torch.topk on CPU for k << V: the maxima of blocks of `block`
+    Exact, and faster than torch.topk on CPU for k << V (BENCHMARKS.md): the maxima of blocks of `block`
     columns (a vectorised reduction) pick the k best blocks, and only those are searched. A value among
     the k best lies in a block whose maximum is among the k best maxima.
     """
@@ -171,3 +180,32 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
             cache.reorder_cross(keep_rows)
         alive, cum, seqs, tokens = alive[keep], cum[keep], seqs[keep_rows], next_tok[keep_rows]
     return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in finished]
+
+
+def search(model: Transformer, src: torch.Tensor, *, beam: int, decode: DecodeConfig) -> list[list[int]]:
+    """Greedy search for beam 1, else beam search, with the length settings of `decode`."""
+    if beam == 1:
+        return greedy_search(model, src, max_len_a=decode.max_len_a, max_len_b=decode.max_len_b)
+    return beam_search(model, src, beam=beam, alpha=decode.alpha, max_len_a=decode.max_len_a,
+                       max_len_b=decode.max_len_b)
+
+
+def translate_ids(model: Transformer, ids: Sequence[Sequence[int]], decode: DecodeConfig, *,
+                  beam: int) -> list[list[int]]:
+    """Output ids (without EOS) for each source, in input order; an empty source gives an empty output.
+
+    Sources are sorted by length and cut into batches of decode.max_src_tokens // beam padded tokens;
+    sources longer than the model's positions are truncated, with a warning.
+    """
+    device, max_src = next(model.parameters()).device, model.cfg.max_positions
+    too_long = sum(len(x) >= max_src for x in ids)
+    if too_long:
+        log.warning("%d input line(s) longer than %d tokens were truncated", too_long, max_src - 1)
+    order = np.array(sorted((i for i in range(len(ids)) if len(ids[i])), key=lambda i: len(ids[i])), dtype=np.int64)
+    widths = np.array([min(len(ids[i]), max_src - 1) + 1 for i in order], dtype=np.int64)
+    out: list[list[int]] = [[] for _ in ids]
+    for batch in cut_batches(order, widths, decode.max_src_tokens // beam):
+        src = pad_sources([ids[i] for i in batch], max_src).to(device)
+        for i, hyp in zip(batch, search(model, src, beam=beam, decode=decode)):
+            out[i] = hyp
+    return out

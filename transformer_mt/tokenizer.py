@@ -1,6 +1,6 @@
 """SentencePiece subword models: trained once on the training split, saved in the run directory.
 
-Special ids are fixed for every model so that the rest of the code can name them as constants.
+Special ids are fixed for every model (vocab.py) so that the rest of the code can name them as constants.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import sentencepiece as spm
 from .config import TokenizerConfig
 from .errors import UserError
 from .fileio import atomic_write
-
-PAD, UNK, BOS, EOS = 0, 1, 2, 3
+from .vocab import BOS, EOS, PAD, UNK
 _THREADS = max(1, os.cpu_count() or 1)  # SentencePiece encodes batches in parallel C++ threads
 
 

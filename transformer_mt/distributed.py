@@ -1,0 +1,114 @@
+"""Data-parallel plumbing: the process group, rank 0 first, and what the ranks must agree on.
+
+Launched by torchrun, a run joins the group (NCCL on GPUs, gloo on CPU); a plain `tmt train` is
+rank 0 of 1, and every helper here is then a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the group: rank, world size, local rank (its GPU on a node)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 logs, writes events and checkpoints."""
+        return self.rank == 0
+
+
+def init_distributed(device: str) -> Dist:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1); otherwise rank 0 of 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        use_cuda = torch.cuda.is_available() and device in ("auto", "cuda")
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    if not dist.is_initialized():
+        return Dist()
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def rank_device(d: Dist, device: torch.device) -> torch.device:
+    """Under DDP on GPUs, each process takes the GPU of its local rank."""
+    if device.type == "cuda" and d.world > 1:
+        device = torch.device("cuda", d.local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+@contextlib.contextmanager
+def rank_zero_first(d: Dist) -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. writes a cache); the other ranks run it after (and read it)."""
+    if d.world > 1 and not d.main:
+        dist.barrier()
+    yield
+    if d.world > 1 and d.main:
+        dist.barrier()
+
+
+def agree(d: Dist, device: torch.device, *flags: bool) -> tuple[bool, ...]:
+    """Flags that any rank raised, seen by every rank (one tiny all-reduce under DDP)."""
+    if d.world == 1:
+        return flags
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(bool(x) for x in t.tolist())
+
+
+def global_sum(d: Dist, t: torch.Tensor) -> float:
+    """A device scalar summed over ranks, as a Python float (a host sync)."""
+    if d.world > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t.item()
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator the loop touches, as plain data that weights_only loading accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gathered_rng(d: Dist) -> Any:
+    """This process's RNG states, or every rank's (a list) under DDP, for a checkpoint. Every rank must call it."""
+    if d.world == 1:
+        return rng_state()
+    states: list[Any] = [None] * d.world
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(d: Dist, saved: Any) -> bool:
+    """Set this rank's RNG states from a checkpoint's; False when they were saved by another number of
+    processes (they are then reused round-robin, and the random streams differ from an unbroken run)."""
+    same = True
+    if isinstance(saved, list):  # saved under DDP: one state per rank
+        same = len(saved) == d.world
+        saved = saved[d.rank % len(saved)]
+    set_rng_state(saved)
+    return same
