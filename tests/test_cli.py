@@ -403,3 +403,85 @@ def test_translator_decodes_in_the_runs_precision(trained, precision, dtype):
     out = Translator(model, tokenizer, cfg.decode, precision=precision).translate(["alpha beta", "gamma"], beam=2)
     assert len(out) == 2 and seen and set(seen) == {dtype}
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the caller's model (training's) is untouched
+
+
+# --------------------------------------------------------------------------- defects found in review (issue 11)
+
+
+def test_translate_input_file_keeps_a_lone_carriage_return_inside_its_line(trained, tmp_path):
+    """Defect 1: --input was read with universal newlines, so a lone \\r split one line in two."""
+    f = tmp_path / "in.txt"
+    f.write_bytes(b"alpha beta\ngamma\rdelta echo\nfox golf\r\n")  # 3 lines: one with a lone \r, one CRLF
+    g = tmp_path / "out.txt"
+    assert main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "-o", str(g), "--beam", "1"]) == 0
+    assert len(lines_of(g)) == 3
+
+
+def test_translate_at_a_terminal_answers_each_line_before_end_of_input(trained):
+    """Defect 2: translate buffered 2,000 lines, so a person typing saw nothing until Ctrl-D. Through a
+    pseudo-terminal: one line in, its translation out, while stdin is still open."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "transformer_mt", "translate", "-c", str(trained["run_dir"]),
+                             "--beam", "1", "--device", "cpu"], stdin=slave, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT)
+    os.close(slave)
+    try:
+        os.write(master, b"alpha beta gamma\n")
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "no translation within 120 s of the line (stdin still open)"
+        line = proc.stdout.readline().decode()
+        assert line.endswith("\n") and proc.poll() is None  # answered, and still waiting for more input
+        os.write(master, b"\x04")  # Ctrl-D: end of input
+        proc.wait(timeout=60)
+        assert proc.returncode == 0
+        assert "> " in proc.stderr.read().decode()  # the prompt goes to stderr, not among the translations
+    finally:
+        proc.kill()
+        os.close(master)
+
+
+def test_average_best_ranks_only_validated_checkpoints(tmp_path, capsys):
+    """Defect 3: save_every checkpoints carried the previous validation's metrics, so `average --best`
+    ranked unvalidated weights by another checkpoint's score. Steps 2, 6, 10 are written between the
+    validations at 4, 8, 12: with the bug the copies of the best score win the ties."""
+    rng = random.Random(1)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split, n in (("train", 300), ("valid", 12), ("test", 3)):
+        src = random_lines(n, rng)
+        write_lines(corpus / f"{split}.en", src)
+        write_lines(corpus / f"{split}.de", [s.upper() for s in src])
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path, corpus, run)
+    assert main(["train", str(cfg), "--set", "train.max_steps=12", "--set", "train.valid_every=4",
+                 "--set", "train.save_every=2", "--set", "train.keep_last=10", "--set", "train.valid_bleu=false"]) == 0
+    ckpts = {int(p.stem.split("_")[1]): torch.load(p, weights_only=True) for p in (run / "checkpoints").glob("step_*.pt")}
+    assert sorted(ckpts) == [2, 4, 6, 8, 10, 12]
+    assert all(not ckpts[s]["metrics"] for s in (2, 6, 10)) and all(ckpts[s]["metrics"] for s in (4, 8, 12))
+    best_two = sorted(sorted((4, 8, 12), key=lambda s: ckpts[s]["metrics"]["loss"])[:2])
+    capsys.readouterr()
+    assert main(["average", str(run), "--best", "2"]) == 0
+    assert f"averaged steps {best_two[0]}, {best_two[1]}" in capsys.readouterr().err
+
+
+def test_max_len_longer_than_max_positions_is_a_config_error(trained, tmp_path, capsys):
+    """Defect 4: data.max_len + 1 > model.max_positions crashed mid-training in the positional encoding."""
+    cfg = write_config(tmp_path, trained["corpus"], tmp_path / "run", extra="")
+    assert main(["train", str(cfg), "--set", "data.max_len=128"]) == 2
+    err = capsys.readouterr().err
+    assert "data.max_len" in err and "model.max_positions" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_load_translator_keeps_one_output_per_input_even_for_none(trained):
+    from transformer_mt.translate import load_translator
+
+    translator = load_translator(trained["run_dir"], device="cpu", beam=1)
+    assert translator.translate([]) == []
+    assert translator.translate(["", "alpha beta", ""])[::2] == ["", ""]
+    best = trained["run_dir"] / "checkpoints" / "best.pt"
+    assert translator.checkpoint == best and translator.decode.beam == 1
+    assert translator.step == torch.load(best, weights_only=True)["step"] in (15, 30)

@@ -339,3 +339,25 @@ def test_shipped_configs_load(path):
 
 def test_demo_config_exists():
     assert (ROOT / "configs" / "demo.yaml").is_file(), "configs/demo.yaml is required"
+
+
+def test_old_run_directories_with_decode_max_tokens_still_load(tmp_path):
+    """decode.max_tokens (source tokens x beam) was renamed max_src_tokens, apart from train.max_tokens
+    (sentences x longer side): a config.yaml saved before the rename keeps its value."""
+    path = write_yaml(tmp_path, "decode:\n  max_tokens: 1234\ntrain:\n  max_tokens: 2048\n", "config.yaml")
+    cfg = load_config(path)
+    assert cfg.decode.max_src_tokens == 1234 and cfg.train.max_tokens == 2048
+    assert "max_tokens" not in cfg.to_dict()["decode"]
+
+
+@pytest.mark.parametrize("max_len, max_positions, expected", [(None, 1024, 256), (None, 64, 63), (100, 101, 100)])
+def test_data_max_len_defaults_within_the_model_positions(max_len, max_positions, expected):
+    data = {} if max_len is None else {"max_len": max_len}
+    cfg = config_from_dict({"data": data, "model": {"max_positions": max_positions}})
+    assert cfg.data.max_len == expected
+
+
+def test_data_max_len_beyond_the_positions_names_both_keys_and_the_line(tmp_path):
+    path = write_yaml(tmp_path, "data:\n  max_len: 200\nmodel:\n  max_positions: 200\n")
+    with pytest.raises(ConfigError, match=r"exp.yaml:2: data.max_len \(200\) \+ 1 must be <= model.max_positions"):
+        load_config(path)

@@ -409,3 +409,48 @@ def test_load_tokenized_empty_corpus_is_an_error(tmp_path, tokenizers):
     (tmp_path / "train.de").write_text("")
     with pytest.raises(DataError, match="empty"):
         load_tokenized(DataConfig(train=str(tmp_path / "train")), "train", tokenizers[0], tmp_path / "cache")
+
+
+# --------------------------------------------------------------------------- defects found in review (issue 11)
+
+
+def test_token_cache_sees_a_same_size_rewrite_that_keeps_the_mtime(tmp_path, monkeypatch, tokenizers):
+    """Defect 5: the cache was keyed on path, size and mtime, so `cp -p`, `rsync -t` or `tar` rewriting a
+    corpus with new content of the same size reused stale token ids."""
+    tok = tokenizers[0]
+    src_path = write_text(tmp_path / "train.en", ["the cat sat", "a red house"])
+    write_text(tmp_path / "train.de", ["THE CAT SAT", "A RED HOUSE"])
+    cfg = DataConfig(train=str(tmp_path / "train"))
+    first = load_tokenized(cfg, "train", tok, tmp_path / "cache")
+    st = src_path.stat()
+    write_text(src_path, ["the dog sat", "a big house"])  # same size, new content
+    os.utime(src_path, ns=(st.st_atime_ns, st.st_mtime_ns))  # what cp -p does
+    assert src_path.stat().st_size == st.st_size and src_path.stat().st_mtime_ns == st.st_mtime_ns
+    again = load_tokenized(cfg, "train", tok, tmp_path / "cache")
+    assert again.src(0).tolist() == tok.encode_src(["the dog sat"])[0] != first.src(0).tolist()
+    # The key follows content only: the same bytes at a new mtime still hit the cache.
+    os.utime(src_path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    monkeypatch.setattr(data, "iter_split", lambda *a, **k: pytest.fail("read the corpus despite the cache"))
+    assert load_tokenized(cfg, "train", tok, tmp_path / "cache").src(0).tolist() == again.src(0).tolist()
+
+
+@pytest.mark.parametrize("rows, line, found", [
+    (["a\tb\tc", "d\te"], 1, 3),  # an extra tab in the first row used to shift every column
+    (["a\tb", "c\td", "no tab here", "e\tf"], 3, 1),  # a bad row later used to raise a raw parser error
+    (["a\tb", "", "c\td"], 2, 1),  # a blank line
+])
+def test_tsv_row_with_wrong_field_count_is_an_error_naming_file_and_line(tmp_path, rows, line, found):
+    """Defect 7: nothing shifted or dropped silently; the error names file:line and the count found."""
+    path = tmp_path / "train.tsv"
+    write_text(path, rows)
+    with pytest.raises(DataError) as info:
+        read_split(DataConfig(format="tsv", train=str(path)), "train")
+    assert f"{path}:{line}:" in str(info.value) and f"found {found}" in str(info.value)
+
+
+def test_tsv_line_ends_at_newline_only(tmp_path):
+    """A lone \\r inside a TSV field stays in the field (lines end at \\n only, everywhere); CRLF ends a line."""
+    path = tmp_path / "train.tsv"
+    path.write_bytes(b"one\rtwo\teins\rzwei\r\nthree\tdrei\n")
+    assert read_split(DataConfig(format="tsv", train=str(path)), "train") == (["one\rtwo", "three"],
+                                                                            ["eins\rzwei", "drei"])

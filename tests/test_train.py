@@ -1,5 +1,6 @@
 """Training: the loss and schedule are the paper's, and a tiny copy task is learned exactly."""
 
+import math
 import random
 
 import numpy as np
@@ -158,3 +159,31 @@ def test_save_every_writes_step_checkpoints_between_validations(tmp_path):
     assert names == ["step_4.pt", "step_6.pt", "step_8.pt"]  # 2 was written, then pruned by keep_last
     averaged = torch.load(tmp_path / "run" / "checkpoints" / "averaged.pt", weights_only=True)
     assert averaged["averaged_steps"] == [4, 6, 8]
+
+
+def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(tmp_path):
+    """Defect 8: the fp16 + GradScaler path (GPUs without bf16) had never run. torch runs fp16 autocast and
+    GradScaler on CPU too: train in fp16, skip an update whose gradient is inf, resume with the scaler's state."""
+    write_copy_corpus(tmp_path, n_train=200)
+    cfg = tiny_config(tmp_path, max_steps=3, valid_every=3, precision="fp16", device="cpu")
+    trainer = Trainer(cfg)
+    assert trainer.precision == "fp16" and trainer.scaler.is_enabled()
+    summary = trainer.train()
+    assert summary["steps"] == 3 and math.isfinite(summary["best_score"])
+    assert trainer.scaler.get_scale() == 2.0**16  # no overflow yet: the initial scale
+
+    # An inf in the gradient: the update is skipped (weights untouched) and the scale backs off by half.
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    hook = trainer.model.generator.weight.register_hook(lambda g: torch.full_like(g, math.inf))
+    batch, tokens = next(trainer._batches())
+    trainer.train_step([batch], tokens)
+    hook.remove()
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    assert trainer.scaler.get_scale() == 2.0**15
+    trainer.save({})  # last.pt with the backed-off scaler
+
+    resumed = Trainer(cfg, resume=True)
+    assert resumed.scaler.get_scale() == 2.0**15  # not the fresh 2**16
+    assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
+    resumed.train_step([batch], tokens)  # and a finite gradient updates the weights again
+    assert any(not torch.equal(v, before[k]) for k, v in resumed.model.state_dict().items())

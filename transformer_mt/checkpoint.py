@@ -118,18 +118,20 @@ def load_for_inference(path: Path, device: torch.device | str = "cpu"
     return model.to(device).eval(), tokenizer, cfg, ckpt
 
 
-def check_tokenizer(ckpt: dict[str, Any], tokenizer: Tokenizer, path: Path, run_dir: Path) -> None:
-    """The checkpoint must have been trained with this SentencePiece model (old checkpoints name none)."""
-    if ckpt.get("tokenizer") not in (None, tokenizer.digest):
-        raise CheckpointError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, but the SentencePiece "
-                              f"model in {run_dir} is {tokenizer.digest}: they do not belong together")
+def check_tokenizer(ckpt: dict[str, Any], tokenizer: Tokenizer, path: Path, run_dir: Path, *,
+                    resuming: bool = False) -> None:
+    """The checkpoint must have been trained with this SentencePiece model. Old checkpoints that name
+    none still translate; a resume needs the match proven."""
+    saved = ckpt.get("tokenizer")
+    if saved != tokenizer.digest and (resuming or saved is not None):
+        raise CheckpointError(f"{'cannot resume from ' if resuming else ''}{path}: it was trained with tokenizer "
+                              f"{saved}, but the SentencePiece model in {run_dir} is {tokenizer.digest}: they do "
+                              "not belong together")
 
 
 def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> None:
     """A resume continues the same model with the same tokenizer, from a full training checkpoint."""
-    if ckpt.get("tokenizer") != tokenizer.digest:
-        raise CheckpointError(f"cannot resume from {path}: it was trained with tokenizer {ckpt.get('tokenizer')}, "
-                              f"but {run_dir} has SentencePiece model {tokenizer.digest}")
+    check_tokenizer(ckpt, tokenizer, path, run_dir, resuming=True)
     saved = ckpt["config"].get("model", {})
     diff = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
             for k, v in dataclasses.asdict(cfg.model).items() if saved.get(k) != v]

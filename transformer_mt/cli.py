@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.max_steps=200 --set model.d_model=128 "
                         "(repeatable; VALUE is parsed as YAML)")
+    _add_inference_parsers(sub)
+    return parser
+
+
+def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
+    """translate, evaluate and average: the commands that use a trained model."""
 
     def add_checkpoint(p: argparse.ArgumentParser) -> None:
         p.add_argument("--checkpoint", "-c", metavar="PATH",
@@ -95,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--best", type=_positive_int, metavar="N",
                        help="average the N step checkpoints with the best validation score")
     p.add_argument("--output", "-o", metavar="FILE", help="where to write (default: RUN_DIR/checkpoints/averaged.pt)")
-    return parser
 
 
 def _positive_int(text: str) -> int:

@@ -114,6 +114,17 @@ def beam_step(cum_scores: torch.Tensor, cand_logp: torch.Tensor, cand_tok: torch
     return top, idx // C, cand_tok.view(N, K * C).gather(1, idx)  # beam = flat index div C
 
 
+def _keep_finished(final: torch.Tensor, top: torch.Tensor, src_beam: torch.Tensor, seqs: torch.Tensor,
+                   alive: torch.Tensor, lp: float, finished: list[list[tuple[float, list[int]]]]) -> None:
+    """Add the candidates marked in `final` (N, K) to their sentences' finished hypotheses, scored
+    log P / lp. Their tokens come to the host in one transfer, not one per hypothesis."""
+    K = final.size(1)
+    n, c = final.nonzero().unbind(1)  # (F,) group and candidate of each finished hypothesis
+    hyps = seqs[n * K + src_beam[n, c]].tolist()
+    for sent, s, hyp in zip(alive[n].tolist(), top[n, c].tolist(), hyps):
+        finished[sent].append((s / lp, hyp))
+
+
 @torch.no_grad()
 def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10) -> list[list[int]]:
@@ -122,11 +133,9 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
     Hypotheses are scored by log P(Y|X) / lp(Y) (GNMT length penalty, |Y| counting EOS).
     A sentence is finished once it has `beam` complete hypotheses or reaches its length budget.
     """
-    B, K = src.size(0), beam
-    device = src.device
+    B, K, device = src.size(0), beam, src.device
     memory, src_mask = model.encode(src)
-    limit = model.cfg.max_positions
-    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, limit)  # (B,)
+    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)  # (B,)
     # Each sentence's K hypotheses sit in K consecutive rows of every decoder tensor.
     expand = torch.arange(B, device=device).repeat_interleave(K)
     memory, src_mask = memory[expand], src_mask[expand]  # (B*K, S, d), (B*K, 1, 1, S)
@@ -152,11 +161,7 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
         is_eos = tok == EOS
         final = is_eos[:, :K] & torch.isfinite(top[:, :K])
         if final.any():
-            lp = length_penalty(t + 1, alpha)
-            n, c = final.nonzero().unbind(1)  # (F,) group and candidate of each finished hypothesis
-            hyps = seqs[n * K + src_beam[n, c]].tolist()  # one host transfer each, not one per hypothesis
-            for sent, s, hyp in zip(alive[n].tolist(), top[n, c].tolist(), hyps):
-                finished[sent].append((s / lp, hyp))
+            _keep_finished(final, top, src_beam, seqs, alive, length_penalty(t + 1, alpha), finished)
             n_finished[alive] += final.sum(1)
         # The best K candidates not ending in EOS continue.
         live_scores = top.masked_fill(is_eos, -math.inf)
@@ -164,11 +169,9 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
         beams = src_beam.gather(1, pick)  # (N, K)
         rows = (torch.arange(N, device=device).unsqueeze(1) * K + beams).view(-1)  # (N*K,)
         next_tok = tok.gather(1, pick).view(-1, 1)  # (N*K, 1)
-        seqs = torch.cat([seqs[rows], next_tok], dim=1)
-        cum = keep_scores
+        seqs, cum = torch.cat([seqs[rows], next_tok], dim=1), keep_scores
         # A sentence is done with K finished hypotheses, at its budget, or with no live hypothesis.
-        done = (n_finished[alive] >= K) | (max_len[alive] <= t + 1)
-        done |= ~torch.isfinite(cum[:, 0])
+        done = (n_finished[alive] >= K) | (max_len[alive] <= t + 1) | ~torch.isfinite(cum[:, 0])
         if done.all():
             break
         keep = (~done).nonzero().squeeze(1)  # (N',) live groups

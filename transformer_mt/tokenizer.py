@@ -54,7 +54,7 @@ class Tokenizer:
         return self.tgt.encode(list(lines), num_threads=_THREADS)
 
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        return self.tgt.decode([list(x) for x in ids])
+        return self.tgt.decode([list(x) for x in ids]) if len(ids) else []  # SentencePiece gives "" for []
 
     def save(self, run_dir: str | os.PathLike) -> None:
         """Write spm.model (joint) or spm.src.model + spm.tgt.model, each atomically."""
