@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test bench bench-quality clean
+.PHONY: install demo test bench bench-quality docs-figure clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ bench: install
 # The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.
 bench-quality: install
 	$(PY) scripts/bench_quality.py --budget 20 --fp32-steps 600
+
+# The README's attention figure, drawn by the code from the demo model (run `make demo` first).
+docs-figure: install
+	$(VENV)/bin/tmt translate --checkpoint runs/demo --plot-attention runs/demo/plots < configs/demo_samples.en > /dev/null
+	cp runs/demo/plots/1.png docs/attention.png
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -400,7 +401,7 @@ def test_translator_decodes_in_the_runs_precision(trained, precision, dtype):
     model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(str(trained["run_dir"])), torch.device("cpu"))
     seen = []
     model.generator.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
-    out = Translator(model, tokenizer, cfg.decode, precision=precision).translate(["alpha beta", "gamma"], beam=2)
+    out = Translator(model, tokenizer, cfg.decode, precision=precision).translate_text(["alpha beta", "gamma"], beam=2)
     assert len(out) == 2 and seen and set(seen) == {dtype}
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the caller's model (training's) is untouched
 
@@ -480,8 +481,144 @@ def test_load_translator_keeps_one_output_per_input_even_for_none(trained):
     from transformer_mt.translate import load_translator
 
     translator = load_translator(trained["run_dir"], device="cpu", beam=1)
-    assert translator.translate([]) == []
-    assert translator.translate(["", "alpha beta", ""])[::2] == ["", ""]
+    assert translator.translate_text([]) == [] and translator.translate([]) == []
+    assert translator.translate_text(["", "alpha beta", ""])[::2] == ["", ""]
     best = trained["run_dir"] / "checkpoints" / "best.pt"
     assert translator.checkpoint == best and translator.decode.beam == 1
     assert translator.step == torch.load(best, weights_only=True)["step"] in (15, 30)
+
+
+# --------------------------------------------------------------------------- n-best, formats, score, plots (issue 12)
+
+
+def _translate(trained, tmp_path, lines: list[str], *flags: str) -> list[str]:
+    f = write_lines(tmp_path / "in.txt", lines)
+    g = tmp_path / "out.txt"
+    assert main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "-o", str(g), *flags]) == 0
+    return lines_of(g)
+
+
+def test_jsonl_keeps_one_object_per_input_line_with_n_hypotheses(trained, tmp_path):
+    src = ["alpha beta gamma", "", "delta echo fox golf"]
+    out = _translate(trained, tmp_path, src, "--beam", "4", "--nbest", "3", "--format", "jsonl", "--alignment")
+    records = [json.loads(line) for line in out]
+    assert [r["source"] for r in records] == src
+    for r in records:
+        hyps = r["hypotheses"]
+        assert len(hyps) == (1 if r["source"] == "" else 3)
+        assert [h["score"] for h in hyps] == sorted((h["score"] for h in hyps), reverse=True)
+        for h in hyps:
+            assert set(h) == {"text", "score", "logprob", "tokens", "token_logprobs", "alignment"}
+            if r["source"] == "":  # not decoded: an empty line stays empty
+                assert h["text"] == "" and h["token_logprobs"] == [] and h["logprob"] == 0
+                continue
+            assert len(h["token_logprobs"]) == len(h["tokens"]) + 1
+            assert h["logprob"] == pytest.approx(sum(h["token_logprobs"]), abs=1e-4)
+    text = _translate(trained, tmp_path, src, "--beam", "4")
+    assert [r["hypotheses"][0]["text"] for r in records] == text  # the 1-best is the text format's line
+
+
+def test_nbest_format_is_moses_with_n_lines_per_input_line(trained, tmp_path):
+    src = ["alpha beta", "", "gamma delta echo"]
+    out = _translate(trained, tmp_path, src, "--beam", "3", "--nbest", "2", "--format", "nbest")
+    fields = [line.split(" ||| ") for line in out]
+    assert [int(f[0]) for f in fields] == [0, 0, 1, 2, 2]  # every input line, the empty one included
+    for f in fields:
+        assert len(f) == 4 and f[2].startswith("logprob=")
+        float(f[2].removeprefix("logprob=")), float(f[3])
+
+
+def test_nbest_larger_than_the_beam_is_a_user_error(trained, tmp_path, capsys):
+    f = write_lines(tmp_path / "in.txt", ["alpha"])
+    assert main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "--beam", "2", "--nbest", "3"]) == 2
+    assert "--nbest 3" in capsys.readouterr().err
+
+
+def test_score_agrees_with_what_translate_reports(trained, tmp_path, capsys):
+    """tmt score on (source, translate's own output) gives translate's log-probabilities back."""
+    src = random_lines(6, random.Random(11))
+    out = [json.loads(line) for line in _translate(trained, tmp_path, src, "--beam", "3", "--format", "jsonl")]
+    s, r = write_lines(tmp_path / "s.en", src), write_lines(tmp_path / "r.de", [o["hypotheses"][0]["text"] for o in out])
+    capsys.readouterr()
+    assert main(["score", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r), "--format", "jsonl"]) == 0
+    captured = capsys.readouterr()
+    scored = [json.loads(line) for line in captured.out.splitlines()]
+    assert [x["target"] for x in scored] == [o["hypotheses"][0]["text"] for o in out]
+    for x, o in zip(scored, out):
+        assert x["logprob"] == pytest.approx(o["hypotheses"][0]["logprob"], abs=1e-4)
+    tokens = sum(len(x["token_logprobs"]) for x in scored)
+    expected_ppl = math.exp(-sum(x["logprob"] for x in scored) / tokens)
+    assert f"perplexity {expected_ppl:.4f}" in captured.err
+    assert main(["score", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r)]) == 0
+    assert [float(v) for v in capsys.readouterr().out.split()] == pytest.approx([x["logprob"] for x in scored], abs=1e-5)
+
+
+def test_score_with_mismatched_files_says_so(trained, tmp_path, capsys):
+    s, r = write_lines(tmp_path / "s.en", ["a", "b"]), write_lines(tmp_path / "r.de", ["A"])
+    assert main(["score", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r)]) == 2
+    assert "has 2 lines but" in capsys.readouterr().err
+
+
+def test_plot_attention_writes_readable_pngs_of_the_expected_size(trained, tmp_path):
+    from matplotlib.image import imread
+
+    src = ["alpha beta gamma", "delta echo fox golf hotel india"]
+    plots = tmp_path / "plots"
+    _translate(trained, tmp_path, src, "--beam", "2", "--plot-attention", str(plots))
+    assert sorted(p.name for p in plots.iterdir()) == ["0.png", "1.png"]
+    for i, line in enumerate(src):
+        image = imread(plots / f"{i}.png")  # decodes: a valid PNG
+        assert image.ndim == 3 and image.shape[2] in (3, 4)
+        # 100 dpi, 0.45 in per source word beyond a 1.5 in margin (at least 4 words wide)
+        assert image.shape[1] == round(100 * (1.5 + 0.45 * max(len(line.split()), 4)))
+    grid = tmp_path / "grid"
+    _translate(trained, tmp_path, src[:1], "--plot-attention", str(grid), "--plot-all-heads")
+    assert imread(grid / "0.png").shape[1] > image.shape[1]  # one panel per layer and head
+
+
+def test_plot_attention_without_matplotlib_names_the_extra(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    f = write_lines(tmp_path / "in.txt", ["alpha"])
+    assert main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "--plot-attention", str(tmp_path)]) == 2
+    assert "transformer-mt[plot]" in capsys.readouterr().err
+
+
+def test_sampling_from_the_cli_repeats_for_a_seed(trained, tmp_path):
+    src = random_lines(8, random.Random(12))
+    one = _translate(trained, tmp_path, src, "--sampling", "topk:0", "--seed", "7")
+    assert _translate(trained, tmp_path, src, "--sampling", "topk:0", "--seed", "7") == one
+    assert _translate(trained, tmp_path, src, "--sampling", "topp:0.9", "--temperature", "0") == \
+        _translate(trained, tmp_path, src, "--beam", "1")
+
+
+def test_ensemble_of_the_same_checkpoint_twice_translates_like_it(trained, tmp_path):
+    src = random_lines(5, random.Random(13))
+    single = _translate(trained, tmp_path, src, "--beam", "3")
+    twice = _translate(trained, tmp_path, src, "--beam", "3", "-c", str(trained["run_dir"]))  # -c twice: an ensemble
+    assert twice == single
+
+
+def test_ensemble_of_models_with_different_vocabularies_is_refused(trained, tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(21)
+    for split, n in (("train", 200), ("valid", 5), ("test", 3)):
+        src = [" ".join(rng.choice(WORDS[:8]) for _ in range(3)) for _ in range(n)]  # another vocabulary
+        write_lines(corpus / f"{split}.en", src)
+        write_lines(corpus / f"{split}.de", [x.upper() for x in src])
+    other = tmp_path / "other"
+    assert main(["-q", "train", str(write_config(tmp_path, corpus, other)), "--set", "train.max_steps=2",
+                 "--set", "tokenizer.vocab_size=40"]) == 0
+    f = write_lines(tmp_path / "in.txt", ["alpha"])
+    capsys.readouterr()
+    assert main(["translate", "-c", str(trained["run_dir"]), "-c", str(other), "-i", str(f)]) == 2
+    assert "cannot ensemble" in capsys.readouterr().err
+
+
+def test_the_readme_python_example_runs(trained, capsys):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    code = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "from transformer_mt import load" in code
+    exec(code.replace('"runs/demo"', repr(str(trained["run_dir"]))), {})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5 and out[2].startswith("[")  # text+scores, pieces, alignment, scores, text

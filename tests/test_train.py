@@ -84,9 +84,14 @@ def test_tiny_copy_task_is_learned_exactly(tmp_path):
     trainer = Trainer(cfg)
     trainer.train()
     sources, references = read_split(cfg.data, "valid")
-    hyps = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate(sources, beam=1)
+    hyps = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate_text(sources, beam=1)
     exact = sum(h == r for h, r in zip(hyps, references)) / len(references)
     assert exact == 1.0, [(h, r) for h, r in zip(hyps, references) if h != r][:5]
+    # Issue 12: the word alignment read from cross-attention of a copy is the diagonal.
+    translations = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate(sources, beam=1, alignment=True)
+    wrong = [(s, h[0].pharaoh()) for s, h in zip(sources, translations)
+             if h[0].alignment != [(i, i) for i in range(len(s.split()))]]
+    assert not wrong, wrong[:5]
 
 
 def test_accumulated_update_equals_one_big_batch(tmp_path):

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
+import math
+import os
 import sys
-from typing import Optional
-
-from typing import Iterator, TextIO
+from pathlib import Path
+from typing import Any, Iterator, Optional, TextIO
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -51,45 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
-    """translate, evaluate and average: the commands that use a trained model."""
-
-    def add_checkpoint(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--checkpoint", "-c", metavar="PATH",
-                       help="checkpoint file, or run directory (uses its best, else last, checkpoint); "
-                            "default: the best checkpoint of the most recently trained run under ./runs/")
-        p.add_argument("--beam", type=_positive_int, metavar="N",
-                       help="beam size; 1 = greedy search (default: the run's decode.beam)")
-        p.add_argument("--alpha", type=float, metavar="A",
-                       help="GNMT length penalty exponent for beam search (default: the run's decode.alpha)")
-        p.add_argument("--max-len", type=float, nargs=2, metavar=("A", "B"),
-                       help="output at most A x source length + B tokens (default: the run's decode.max_len_a "
-                            "and decode.max_len_b; fairseq-generate's default is 0 200)")
-        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
-                       help="where to run the model (default: auto = CUDA, then MPS, then CPU)")
-        p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
-                       help="dtype to decode in (default: the run's train.precision; bf16/fp16 decode with the "
-                            "whole model in that dtype; fp16 only on CUDA, elsewhere it decodes in fp32)")
-
-    p = sub.add_parser("translate", help="translate text with a trained model (stdin to stdout by default)",
-                       description="Translate one sentence per line. Output lines match input lines one to one "
-                                   "(an empty input line gives an empty output line; lines end at \\n only). "
-                                   "Input is read and written in chunks, so any length streams in bounded memory; "
-                                   "typed at a terminal, each line is translated as soon as Enter is pressed.")
-    add_checkpoint(p)
-    p.add_argument("--input", "-i", metavar="FILE", help="read source sentences from FILE (default: stdin)")
-    p.add_argument("--output", "-o", metavar="FILE", help="write translations to FILE (default: stdout)")
-
+    """translate, evaluate, score and average: the commands that use a trained model."""
+    _add_translate_parser(sub)
     p = sub.add_parser("evaluate", help="translate a test set and print sacreBLEU BLEU, chrF and TER",
                        description="Translate the run's test split (from its saved config), or --src, and score "
                                    "it against the references with sacreBLEU; hypotheses are written next to "
                                    "the checkpoint.")
-    add_checkpoint(p)
+    _add_model_flags(p)
     p.add_argument("--src", metavar="FILE", help="source sentences (plain text or .gz); needs --ref")
     p.add_argument("--ref", metavar="FILE", help="reference translations, line-aligned with --src")
     p.add_argument("--output", "-o", metavar="FILE", help="where to write the hypotheses "
                                                           "(default: next to the checkpoint)")
     p.add_argument("--json", action="store_true", help="print one JSON object (bleu, chrf, ter, signature, "
                                                        "hypotheses_path, ...) instead of text")
+
+    p = sub.add_parser("score", help="score given translations by forced decoding (log-probabilities, perplexity)",
+                       description="Forced decoding of (source, target) pairs, like fairseq's --score-reference, "
+                                   "sockeye-score and marian-scorer: each target's log-probability given its "
+                                   "source, per token, and the corpus perplexity (on stderr). Streamed in chunks.")
+    _add_model_flags(p)
+    p.add_argument("--src", metavar="FILE", required=True, help="source sentences (plain text or .gz)")
+    p.add_argument("--ref", metavar="FILE", required=True, help="target sentences to score, line-aligned with --src")
+    p.add_argument("--format", choices=["text", "jsonl"], default="text",
+                   help="text: one log-probability per line; jsonl: one JSON object per line with source, target, "
+                        "logprob, tokens and token_logprobs (default: text)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write the scores to FILE (default: stdout)")
 
     p = sub.add_parser("average", help="average the weights of a run's step checkpoints",
                        description="Average the newest N (--last) or the N best-validating (--best) "
@@ -101,6 +89,72 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--best", type=_positive_int, metavar="N",
                        help="average the N step checkpoints with the best validation score")
     p.add_argument("--output", "-o", metavar="FILE", help="where to write (default: RUN_DIR/checkpoints/averaged.pt)")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Which model, and how it decodes."""
+    p.add_argument("--checkpoint", "-c", metavar="PATH", action="append",
+                   help="checkpoint file, or run directory (uses its best, else last, checkpoint); default: the "
+                        "best checkpoint of the most recently trained run under ./runs/. Give it more than once "
+                        "to decode with an ensemble (the mean of the models' probabilities; one vocabulary)")
+    p.add_argument("--beam", type=_positive_int, metavar="N",
+                   help="beam size; 1 = greedy search (default: the run's decode.beam)")
+    p.add_argument("--alpha", type=float, metavar="A",
+                   help="GNMT length penalty exponent for beam search (default: the run's decode.alpha)")
+    p.add_argument("--max-len", type=float, nargs=2, metavar=("A", "B"),
+                   help="output at most A x source length + B tokens (default: the run's decode.max_len_a "
+                        "and decode.max_len_b; fairseq-generate's default is 0 200)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where to run the model (default: auto = CUDA, then MPS, then CPU)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="dtype to decode in (default: the run's train.precision; bf16/fp16 decode with the "
+                        "whole model in that dtype; fp16 only on CUDA, elsewhere it decodes in fp32)")
+
+
+def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("translate", help="translate text with a trained model (stdin to stdout by default)",
+                       description="Translate one sentence per line. Output lines match input lines one to one "
+                                   "(an empty input line gives an empty output line; lines end at \\n only). "
+                                   "Input is read and written in chunks, so any length streams in bounded memory; "
+                                   "typed at a terminal, each line is translated as soon as Enter is pressed.")
+    _add_model_flags(p)
+    p.add_argument("--input", "-i", metavar="FILE", help="read source sentences from FILE (default: stdin)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write translations to FILE (default: stdout)")
+    p.add_argument("--nbest", type=_positive_int, default=1, metavar="N",
+                   help="the N best hypotheses of each input, best first (N <= beam; shown by --format jsonl/nbest)")
+    p.add_argument("--format", choices=["text", "jsonl", "nbest"], default="text",
+                   help="text: the best translation, one line per input line; jsonl: one JSON object per input "
+                        "line {source, hypotheses: [{text, score, logprob, tokens, token_logprobs, alignment}]}; "
+                        "nbest: Moses n-best lines `i ||| text ||| logprob=L ||| score` (default: text)")
+    p.add_argument("--alignment", action="store_true",
+                   help="word alignment (Pharaoh `src-tgt` pairs) from the cross-attention of the last decoder "
+                        "layer, its heads averaged: each target word goes to the source word it attends to most. "
+                        "text format: `translation ||| 0-0 1-2 ...`")
+    p.add_argument("--plot-attention", metavar="DIR",
+                   help="write DIR/N.png for input line N: source words x target words of the alignment's "
+                        "attention, with a colour bar (needs the [plot] extra: pip install 'transformer-mt[plot]')")
+    p.add_argument("--plot-all-heads", action="store_true",
+                   help="with --plot-attention: a grid of every decoder layer and head, over pieces")
+    p.add_argument("--sampling", type=_sampling, metavar="topk:K|topp:P",
+                   help="sample each token instead of searching: from the K most likely (topk:0 = all), or from "
+                        "the smallest set holding probability P (topp:0.9); for back-translation")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="with --sampling: divide the logits by T (below 1 sharper; 0 = greedy) (default: 1)")
+    p.add_argument("--seed", type=int, metavar="S", help="with --sampling: the same seed gives the same output")
+
+
+def _sampling(text: str) -> Any:
+    from .search import Sampling
+
+    kind, _, value = text.partition(":")
+    try:
+        if kind == "topk" and int(value) >= 0:
+            return Sampling(topk=int(value))
+        if kind == "topp" and 0 < float(value) <= 1:
+            return Sampling(topp=float(value))
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected topk:K (K >= 0) or topp:P (0 < P <= 1), got {text!r}")
 
 
 def _positive_int(text: str) -> int:
@@ -131,20 +185,69 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_translate(args: argparse.Namespace) -> int:
     from .translate import load_translator
 
+    plot = _attention_plotter(args.plot_attention, args.plot_all_heads)  # fails before loading if the extra is missing
     translator = load_translator(args.checkpoint, device=args.device, precision=args.precision, beam=args.beam,
                                  alpha=args.alpha, max_len=args.max_len)
-    with contextlib.ExitStack() as stack:  # closes only the files opened here, never stdin/stdout
-        try:  # newline="\n": a lone \r inside a line must not split it (stdin already reads this way)
-            src = stack.enter_context(open(args.input, encoding="utf-8", errors="replace", newline="\n")) \
-                if args.input else sys.stdin
-            out = stack.enter_context(open(args.output, "w", encoding="utf-8")) if args.output else sys.stdout
-        except OSError as e:
-            raise UserError(f"cannot open {e.filename}: {e.strerror}") from None
+    sampling = args.sampling and dataclasses.replace(args.sampling, temperature=args.temperature, seed=args.seed)
+    with _open_io(args.input, args.output) as (src, out):
         interactive = src.isatty()  # a person typing: answer each line at once, not after 2,000 of them
         lines = _prompted(src) if interactive else src
-        for line in translator.translate_stream(lines, chunk=1 if interactive else 2000):
-            out.write(line + "\n")
+        for i, (line, hyps) in enumerate(translator.translate_stream(
+                lines, chunk=1 if interactive else 2000, beam=args.beam, nbest=args.nbest, sampling=sampling,
+                alignment=args.alignment, attention=plot is not None)):
+            out.write(_format_translations(args.format, i, line, hyps, args.alignment))
             out.flush()
+            if plot is not None:
+                plot(hyps[0], i)
+    return 0
+
+
+def _format_translations(fmt: str, i: int, line: str, hyps: list, alignment: bool) -> str:
+    """One input line's n-best list as text (the best), jsonl (one object) or Moses n-best (one line each)."""
+    if fmt == "jsonl":
+        return json.dumps({"source": line, "hypotheses": [h.to_json(alignment) for h in hyps]}, ensure_ascii=False) + "\n"
+    if fmt == "nbest":
+        return "".join(f"{i} ||| {h.text} ||| logprob={h.logprob:.6f} ||| {h.score:.6f}\n" for h in hyps)
+    return hyps[0].text + (f" ||| {hyps[0].pharaoh()}" if alignment else "") + "\n"
+
+
+def _attention_plotter(folder: Optional[str], all_heads: bool) -> Any:
+    """plot(translation, i) writing folder/i.png, or None without --plot-attention."""
+    if folder is None:
+        return None
+    from .plot import plot_attention, require_matplotlib
+
+    require_matplotlib()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return lambda h, i: plot_attention(h, Path(folder) / f"{i}.png", all_heads=all_heads)
+
+
+@contextlib.contextmanager
+def _open_io(input: Optional[str], output: Optional[str]) -> Iterator[tuple[TextIO, TextIO]]:
+    """The input file (or stdin) and the output file (or stdout); closes only the files it opened."""
+    with contextlib.ExitStack() as stack:
+        try:  # newline="\n": a lone \r inside a line must not split it (stdin already reads this way)
+            src = stack.enter_context(open(input, encoding="utf-8", errors="replace", newline="\n")) \
+                if input else sys.stdin
+            out = stack.enter_context(open(output, "w", encoding="utf-8")) if output else sys.stdout
+        except OSError as e:
+            raise UserError(f"cannot open {e.filename}: {e.strerror}") from None
+        yield src, out
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from .data import pair_lines
+    from .translate import load_translator
+
+    translator = load_translator(args.checkpoint, device=args.device, precision=args.precision)
+    logprob, tokens, n = 0.0, 0, 0
+    with _open_io(None, args.output) as (_, out):
+        for s in translator.score_stream(pair_lines(args.src, args.ref)):
+            out.write(json.dumps(s.to_json(), ensure_ascii=False) + "\n" if args.format == "jsonl"
+                      else f"{s.logprob:.6f}\n")
+            logprob, tokens, n = logprob + s.logprob, tokens + len(s.token_logprobs), n + 1
+    print(f"{n} pairs, {tokens} target tokens (EOS included), log-probability {logprob:.2f}, "
+          f"perplexity {math.exp(-logprob / max(tokens, 1)):.4f}", file=sys.stderr)
     return 0
 
 
@@ -184,7 +287,8 @@ def cmd_average(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "translate": cmd_translate, "evaluate": cmd_evaluate, "average": cmd_average}
+COMMANDS = {"train": cmd_train, "translate": cmd_translate, "evaluate": cmd_evaluate, "score": cmd_score,
+            "average": cmd_average}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -203,6 +307,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("tmt: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`tmt translate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
     finally:
         logger.removeHandler(handler)
 

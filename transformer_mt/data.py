@@ -54,7 +54,7 @@ def iter_split(cfg: DataConfig, split: str) -> Iterator[tuple[str, str]]:
                         + ("split name" if cfg.format == "hf" else "path") + f" for the {split} split")
     if cfg.format == "text":
         src_path, tgt_path = (text_file(where, lang) for lang in (cfg.src_lang, cfg.tgt_lang))
-        yield from _iter_text_pairs(src_path, tgt_path, split, cfg.invalid_utf8)
+        yield from _iter_text_pairs(src_path, tgt_path, f"data.{split}", cfg.invalid_utf8)
     elif cfg.format == "tsv":
         yield from _iter_tsv_pairs(record_file(where, split), cfg.invalid_utf8)
     else:
@@ -87,7 +87,12 @@ class _LineDecoder:
                         self.path, self.replaced, self.first)
 
 
-def _iter_text_pairs(src_path: Path, tgt_path: Path, split: str, invalid_utf8: str) -> Iterator[tuple[str, str]]:
+def pair_lines(src: str | os.PathLike, tgt: str | os.PathLike) -> Iterator[tuple[str, str]]:
+    """Line N of each of two files (plain or .gz), streamed; a length mismatch is an error with both counts."""
+    return _iter_text_pairs(Path(src), Path(tgt), "--src/--ref", "error")
+
+
+def _iter_text_pairs(src_path: Path, tgt_path: Path, where: str, invalid_utf8: str) -> Iterator[tuple[str, str]]:
     """Line N of each file, decoded; a length mismatch is reported with both counts."""
     decode_src, decode_tgt = _LineDecoder(src_path, invalid_utf8), _LineDecoder(tgt_path, invalid_utf8)
     with _open_binary(src_path) as fs, _open_binary(tgt_path) as ft:
@@ -97,7 +102,7 @@ def _iter_text_pairs(src_path: Path, tgt_path: Path, split: str, invalid_utf8: s
                 if bs is None or bt is None:
                     n_src = n - 1 + (bs is not None) + sum(1 for _ in fs)
                     n_tgt = n - 1 + (bt is not None) + sum(1 for _ in ft)
-                    raise DataError(f"data.{split}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
+                    raise DataError(f"{where}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
                                     "line N of one must translate line N of the other")
                 yield decode_src(bs, n), decode_tgt(bt, n)
         except (OSError, EOFError) as e:

@@ -33,7 +33,7 @@ def evaluate(checkpoint: Optional[str] = None, *, src: Optional[str] = None, ref
         name = "test"
     d, path = translator.decode, translator.checkpoint
     start = time.perf_counter()
-    hyps = translator.translate(sources)
+    hyps = translator.translate_text(sources)
     seconds = time.perf_counter() - start
     hyp_path = Path(output) if output else path.parent / f"{path.stem}.{name}.beam{d.beam}.hyp"
     hyp_path.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")

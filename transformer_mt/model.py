@@ -130,6 +130,15 @@ class MultiHeadAttention(nn.Module):
         k, v = self._heads(self.kv_proj(memory))
         return k, v
 
+    def probabilities(self, x: torch.Tensor, kv: KV, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The attention weights softmax(QK^T / sqrt(d_k)) (Eq. 1) from x (B, T, d) over keys kv: (B, H, T, S).
+        Written out (scaled_dot_product_attention does not return them): for alignments and plots only."""
+        q = self._heads(self.q_proj(x) if self.cross else self.qkv_proj(x)[..., :x.size(-1)])[0]  # (B, H, T, d_k)
+        scores = q @ kv[0].transpose(-2, -1) / math.sqrt(self.d_k)  # (B, H, T, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf)
+        return scores.float().softmax(-1)
+
     def forward(self, x: torch.Tensor, *, mask: Optional[torch.Tensor] = None, causal: bool = False,
                 memory: Optional[torch.Tensor] = None, kv: Optional[KV] = None) -> tuple[torch.Tensor, KV]:
         """Attend from x (B, T, d). Returns the output (B, T, d) and the keys/values used, for caching.
@@ -199,22 +208,27 @@ class DecoderLayer(nn.Module):
         self.pre_norm = cfg.norm == "pre"
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-                self_kv: Optional[KV] = None, cross_kv: Optional[KV] = None) -> tuple[torch.Tensor, KV, KV]:
+                self_kv: Optional[KV] = None, cross_kv: Optional[KV] = None,
+                attention: Optional[list[torch.Tensor]] = None) -> tuple[torch.Tensor, KV, KV]:
         """x (B, T, d). With cached `self_kv`, x holds only the new position(s) and needs no causal
-        mask (the cache has only the past; is_causal would align the triangle top-left)."""
+        mask (the cache has only the past; is_causal would align the triangle top-left).
+        `attention`, when given, receives this layer's cross-attention weights (B, H, T, S)."""
         causal = self_kv is None and x.size(1) > 1
         if self.pre_norm:
             h, self_kv = self.self_attn(self.norm1(x), causal=causal, kv=self_kv)
             x = x + self.dropout(h)
-            h, cross_kv = self.cross_attn(self.norm2(x), mask=src_mask, memory=memory, kv=cross_kv)
+            q_in = self.norm2(x)
+            h, cross_kv = self.cross_attn(q_in, mask=src_mask, memory=memory, kv=cross_kv)
             x = x + self.dropout(h)
             x = x + self.dropout(self.ff(self.norm3(x)))
         else:
             h, self_kv = self.self_attn(x, causal=causal, kv=self_kv)
-            x = self.norm1(x + self.dropout(h))
+            x = q_in = self.norm1(x + self.dropout(h))
             h, cross_kv = self.cross_attn(x, mask=src_mask, memory=memory, kv=cross_kv)
             x = self.norm2(x + self.dropout(h))
             x = self.norm3(x + self.dropout(self.ff(x)))
+        if attention is not None:
+            attention.append(self.cross_attn.probabilities(q_in, cross_kv, src_mask))
         return x, self_kv, cross_kv
 
 
@@ -277,10 +291,10 @@ class Decoder(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, attention: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x = layer(x, memory, src_mask)[0]
+                x = layer(x, memory, src_mask, attention=attention)[0]
             else:
                 first = cache.cross_kv[i] is None
                 x, cache.self_kv[i], (k, v) = layer(x, memory, src_mask, cache.self_kv[i], cache.cross_kv[i])
@@ -339,6 +353,14 @@ class Transformer(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(len(self.decoder.layers))
 
+    @torch.no_grad()
+    def cross_attention(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Cross-attention weights of every decoder layer and head, teacher-forced: (L, B, H, T, S)."""
+        memory, src_mask = self.encode(src)
+        weights: list[torch.Tensor] = []
+        self.decoder(self.dropout(self.pos(self.tgt_embed(tgt_in))), memory, src_mask, attention=weights)
+        return torch.stack(weights)
+
     def decode_step(self, tokens: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
                     cache: KVCache) -> torch.Tensor:
         """One incremental step: tokens (B, 1) -> logits (B, V) of the next token, in the compute dtype.
@@ -368,3 +390,62 @@ class Transformer(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied matrices are counted once
 
+
+
+# --------------------------------------------------------------------------- ensembles
+
+
+class Ensemble(nn.Module):
+    """Models that decode together: the next-token distribution is the mean of theirs, each model with
+    its own KV cache. It offers what search needs of a Transformer (encode, new_cache, decode_step and
+    forward), returning log-probabilities where a Transformer returns logits: search normalises either."""
+
+    def __init__(self, models: list[Transformer]):
+        super().__init__()
+        self.members = nn.ModuleList(models)
+        self.cfg = min((m.cfg for m in models), key=lambda c: c.max_positions)  # the shortest limit holds
+
+    def encode(self, src: torch.Tensor) -> tuple["_PerMember", torch.Tensor]:
+        encoded = [m.encode(src) for m in self.members]
+        return _PerMember([memory for memory, _ in encoded]), encoded[0][1]  # one padding mask: one source
+
+    def new_cache(self) -> "_PerMember":
+        return _PerMember([m.new_cache() for m in self.members])
+
+    def decode_step(self, tokens: torch.Tensor, memory: "_PerMember", src_mask: torch.Tensor,
+                    cache: "_PerMember") -> torch.Tensor:
+        """(B, 1) tokens -> (B, V) log of the members' mean next-token probability."""
+        logps = [F.log_softmax(m.decode_step(tokens, mem, src_mask, c), dim=-1, dtype=torch.float32)
+                 for m, mem, c in zip(self.members, memory.parts, cache.parts)]
+        return torch.stack(logps).logsumexp(0) - math.log(len(logps))
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced (B, T, V) log of the members' mean probability."""
+        logps = [F.log_softmax(m(src, tgt_in), dim=-1, dtype=torch.float32) for m in self.members]
+        return torch.stack(logps).logsumexp(0) - math.log(len(logps))
+
+    def cross_attention(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """The first member's cross-attention (members may differ in layers and heads)."""
+        return self.members[0].cross_attention(src, tgt_in)
+
+
+class _PerMember:
+    """One object per ensemble member (encoder outputs, KV caches), indexed and reordered together."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def __getitem__(self, index: torch.Tensor) -> "_PerMember":
+        return _PerMember([p[index] for p in self.parts])
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for p in self.parts:
+            p.reorder(index)
+
+    def reorder_self(self, index: torch.Tensor) -> None:
+        for p in self.parts:
+            p.reorder_self(index)
+
+    def reorder_cross(self, index: torch.Tensor) -> None:
+        for p in self.parts:
+            p.reorder_cross(index)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .config import DecodeConfig
-from .data import cut_batches, pad_sources
+from .data import TokenizedCorpus, collate, cut_batches, make_batches, pad_sources
 from .model import Transformer
 from .vocab import BOS, EOS, PAD
 
@@ -47,27 +48,72 @@ def _force_eos(scores: torch.Tensor, forced: torch.Tensor) -> None:
     scores[:, EOS] = torch.where(forced, eos, scores[:, EOS])
 
 
+@dataclass
+class Hypothesis:
+    """One output of a search, as token ids: what every search returns, n-best lists included."""
+
+    tokens: list[int]  # without EOS
+    logprob: float  # log P(Y | X), EOS included
+    score: float  # what ranks hypotheses: logprob / lp(|Y| + 1) for beam search, else the logprob
+    token_logprobs: list[float]  # log P of each token given the ones before, then of EOS
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Draw each token from the model's distribution at `temperature`, cut to the `topk` most likely
+    tokens (0: all) or the smallest set holding `topp` of the probability (nucleus sampling).
+    Temperature 0 is greedy search."""
+
+    topk: int = 0
+    topp: float = 1.0
+    temperature: float = 1.0
+    seed: Optional[int] = None  # None: torch's global generator
+
+    def generator(self, device: torch.device) -> Optional[torch.Generator]:
+        """A generator seeded with `seed`, to be passed along one whole job (not re-seeded per batch)."""
+        return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
+
+    def choose(self, logp: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+        """logp (n, V) log-probabilities (specials masked) -> (n,) next tokens."""
+        if self.temperature == 0:
+            return logp.argmax(-1)
+        scores = logp / self.temperature  # (n, V); softmax(logp / T) = softmax(logits / T)
+        if self.topk:
+            kth = scores.topk(min(self.topk, scores.size(1)), dim=1).values[:, -1:]  # (n, 1)
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.topp < 1.0:
+            ordered, order = scores.sort(dim=1, descending=True)
+            before = ordered.softmax(1).cumsum(1) - ordered.softmax(1)  # probability of the better tokens
+            ordered = ordered.masked_fill(before >= self.topp, -math.inf)  # the best token always stays
+            scores = torch.full_like(scores, -math.inf).scatter(1, order, ordered)
+        return torch.multinomial(scores.softmax(1), 1, generator=generator).squeeze(1)
+
+
 @torch.no_grad()
-def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10
-                  ) -> list[list[int]]:
-    """Most likely next token at each step; src (B, S) -> token lists without EOS."""
-    B = src.size(0)
+def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10,
+                  sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None
+                  ) -> list[list[Hypothesis]]:
+    """The most likely next token at each step (or one drawn by `sampling`); src (B, S) -> one
+    hypothesis per sentence (a list of one, like beam search's n-best lists)."""
+    B, device = src.size(0), src.device
     memory, src_mask = model.encode(src)
-    limit = model.cfg.max_positions
-    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, limit)  # (B,)
+    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)  # (B,)
     out: list[list[int]] = [[] for _ in range(B)]
-    alive = torch.arange(B, device=src.device)  # original row of each row still decoding
-    tokens = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)
+    logps: list[list[float]] = [[] for _ in range(B)]
+    alive = torch.arange(B, device=device)  # original row of each row still decoding
+    tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
     cache = model.new_cache()
     for t in range(int(max_len.max())):
-        logits = _mask_specials(model.decode_step(tokens, memory, src_mask, cache))  # (n, V)
-        forced = max_len[alive] <= t + 1  # out of budget: this token must be EOS
-        _force_eos(logits, forced)
-        next_tok = logits.argmax(-1)  # (n,): the argmax of the logits is that of the probabilities
-        done = next_tok == EOS
-        for row, tok in zip(alive.tolist(), next_tok.tolist()):
+        logits = model.decode_step(tokens, memory, src_mask, cache)  # (n, V)
+        logp = _mask_specials(F.log_softmax(logits, dim=-1, dtype=torch.float32))  # (n, V)
+        _force_eos(logp, max_len[alive] <= t + 1)  # out of budget: this token must be EOS
+        next_tok = logp.argmax(-1) if sampling is None else sampling.choose(logp, generator)  # (n,)
+        chosen = logp.gather(1, next_tok.unsqueeze(1)).squeeze(1)  # (n,)
+        for row, tok, lp in zip(alive.tolist(), next_tok.tolist(), chosen.tolist()):
+            logps[row].append(lp)
             if tok != EOS:
                 out[row].append(tok)
+        done = next_tok == EOS
         if done.all():
             break
         keep = (~done).nonzero().squeeze(1)
@@ -75,7 +121,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
             alive, memory, src_mask = alive[keep], memory[keep], src_mask[keep]
             cache.reorder(keep)
         tokens = next_tok[keep].unsqueeze(1)
-    return out
+    return [[Hypothesis(out[b], sum(logps[b]), sum(logps[b]), logps[b])] for b in range(B)]
 
 
 def topk_rows(x: torch.Tensor, k: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,36 +145,39 @@ def topk_rows(x: torch.Tensor, k: int, block: int = 64) -> tuple[torch.Tensor, t
 
 
 def beam_step(cum_scores: torch.Tensor, cand_logp: torch.Tensor, cand_tok: torch.Tensor, n_cand: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One beam-search step (pure): the best `n_cand` extensions of the live hypotheses.
 
     cum_scores (N, K) log-probabilities of the live hypotheses; cand_logp (N, K, C) log-probabilities
     of each hypothesis's C best next tokens, cand_tok (N, K, C) their ids. With C >= n_cand this is
     exact: a token outside its own row's best C cannot be among the best n_cand of the sentence.
-    Returns scores, source beam and token of each candidate, each (N, n_cand), best first. Taking
-    2K candidates means hypotheses ending in EOS never leave fewer than K to continue (fairseq's trick).
+    Returns the score, source beam, token and the token's own log-probability of each candidate, each
+    (N, n_cand), best first. Taking 2K candidates means hypotheses ending in EOS never leave fewer than K
+    to continue (fairseq's trick).
     """
     N, K, C = cand_logp.shape
     scores = (cum_scores.unsqueeze(-1) + cand_logp).view(N, K * C)  # (N, K*C)
     top, idx = scores.topk(min(n_cand, K * C), dim=1)
-    return top, idx // C, cand_tok.view(N, K * C).gather(1, idx)  # beam = flat index div C
+    return top, idx // C, cand_tok.view(N, K * C).gather(1, idx), cand_logp.view(N, K * C).gather(1, idx)
 
 
-def _keep_finished(final: torch.Tensor, top: torch.Tensor, src_beam: torch.Tensor, seqs: torch.Tensor,
-                   alive: torch.Tensor, lp: float, finished: list[list[tuple[float, list[int]]]]) -> None:
+def _keep_finished(final: torch.Tensor, top: torch.Tensor, src_beam: torch.Tensor, tok_logp: torch.Tensor,
+                   seqs: torch.Tensor, seq_logp: torch.Tensor, alive: torch.Tensor, lp: float,
+                   finished: list[list[Hypothesis]]) -> None:
     """Add the candidates marked in `final` (N, K) to their sentences' finished hypotheses, scored
     log P / lp. Their tokens come to the host in one transfer, not one per hypothesis."""
     K = final.size(1)
     n, c = final.nonzero().unbind(1)  # (F,) group and candidate of each finished hypothesis
-    hyps = seqs[n * K + src_beam[n, c]].tolist()
-    for sent, s, hyp in zip(alive[n].tolist(), top[n, c].tolist(), hyps):
-        finished[sent].append((s / lp, hyp))
+    rows = n * K + src_beam[n, c]
+    logps = torch.cat([seq_logp[rows], tok_logp[n, c].unsqueeze(1)], dim=1).tolist()  # (F, t + 1): + EOS
+    for sent, s, hyp, lps in zip(alive[n].tolist(), top[n, c].tolist(), seqs[rows].tolist(), logps):
+        finished[sent].append(Hypothesis(hyp, s, s / lp, lps))
 
 
 @torch.no_grad()
 def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: float = 0.6,
-                max_len_a: float = 1.5, max_len_b: int = 10) -> list[list[int]]:
-    """Batched beam search; returns the best hypothesis (without EOS) for each source row.
+                max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1) -> list[list[Hypothesis]]:
+    """Batched beam search; the `nbest` best finished hypotheses of each source row, best first.
 
     Hypotheses are scored by log P(Y|X) / lp(Y) (GNMT length penalty, |Y| counting EOS).
     A sentence is finished once it has `beam` complete hypotheses or reaches its length budget.
@@ -142,9 +191,10 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
     alive = torch.arange(B, device=device)  # original sentence of each live group
     cum = torch.full((B, K), -math.inf, device=device)
     cum[:, 0] = 0.0  # at the start only one hypothesis is real
-    seqs = torch.full((B * K, 0), BOS, dtype=torch.long, device=device)
+    seqs = torch.full((B * K, 0), BOS, dtype=torch.long, device=device)  # tokens so far, and
+    seq_logp = torch.zeros((B * K, 0), device=device)  # their log-probabilities
     tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     n_finished = torch.zeros(B, dtype=torch.long, device=device)  # len(finished[b]), kept on the device
     cache = model.new_cache()
     for t in range(int(max_len.max())):
@@ -156,20 +206,20 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
             _force_eos(logp, forced)
         # Each hypothesis's 2K best tokens are enough to find the sentence's 2K best extensions.
         cand_logp, cand_tok = topk_rows(logp, min(2 * K, logp.size(1)))  # (N*K, 2K)
-        top, src_beam, tok = beam_step(cum, cand_logp.view(N, K, -1), cand_tok.view(N, K, -1), 2 * K)  # (N, 2K)
+        top, src_beam, tok, tok_logp = beam_step(cum, cand_logp.view(N, K, -1), cand_tok.view(N, K, -1), 2 * K)
         # Candidates ending in EOS among the best K become finished hypotheses.
-        is_eos = tok == EOS
+        is_eos = tok == EOS  # (N, 2K)
         final = is_eos[:, :K] & torch.isfinite(top[:, :K])
         if final.any():
-            _keep_finished(final, top, src_beam, seqs, alive, length_penalty(t + 1, alpha), finished)
+            lp = length_penalty(t + 1, alpha)
+            _keep_finished(final, top, src_beam, tok_logp, seqs, seq_logp, alive, lp, finished)
             n_finished[alive] += final.sum(1)
         # The best K candidates not ending in EOS continue.
-        live_scores = top.masked_fill(is_eos, -math.inf)
-        keep_scores, pick = live_scores.topk(K, dim=1)  # (N, K)
-        beams = src_beam.gather(1, pick)  # (N, K)
-        rows = (torch.arange(N, device=device).unsqueeze(1) * K + beams).view(-1)  # (N*K,)
+        keep_scores, pick = top.masked_fill(is_eos, -math.inf).topk(K, dim=1)  # (N, K)
+        rows = (torch.arange(N, device=device).unsqueeze(1) * K + src_beam.gather(1, pick)).view(-1)  # (N*K,)
         next_tok = tok.gather(1, pick).view(-1, 1)  # (N*K, 1)
         seqs, cum = torch.cat([seqs[rows], next_tok], dim=1), keep_scores
+        seq_logp = torch.cat([seq_logp[rows], tok_logp.gather(1, pick).view(-1, 1)], dim=1)
         # A sentence is done with K finished hypotheses, at its budget, or with no live hypothesis.
         done = (n_finished[alive] >= K) | (max_len[alive] <= t + 1) | ~torch.isfinite(cum[:, 0])
         if done.all():
@@ -181,21 +231,27 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
         if len(keep) < N:  # drop finished sentences from the batch
             memory, src_mask = memory[keep_rows], src_mask[keep_rows]
             cache.reorder_cross(keep_rows)
-        alive, cum, seqs, tokens = alive[keep], cum[keep], seqs[keep_rows], next_tok[keep_rows]
-    return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in finished]
+        alive, cum, tokens = alive[keep], cum[keep], next_tok[keep_rows]
+        seqs, seq_logp = seqs[keep_rows], seq_logp[keep_rows]
+    return [sorted(hyps, key=lambda h: -h.score)[:nbest] or [Hypothesis([], -math.inf, -math.inf, [])]
+            for hyps in finished]
 
 
-def search(model: Transformer, src: torch.Tensor, *, beam: int, decode: DecodeConfig) -> list[list[int]]:
-    """Greedy search for beam 1, else beam search, with the length settings of `decode`."""
-    if beam == 1:
-        return greedy_search(model, src, max_len_a=decode.max_len_a, max_len_b=decode.max_len_b)
+def search(model: Transformer, src: torch.Tensor, *, beam: int, decode: DecodeConfig, nbest: int = 1,
+           sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None
+           ) -> list[list[Hypothesis]]:
+    """Greedy search for beam 1 (or sampling, when given), else beam search, with the settings of `decode`."""
+    if beam == 1 or sampling is not None:
+        return greedy_search(model, src, max_len_a=decode.max_len_a, max_len_b=decode.max_len_b, sampling=sampling,
+                             generator=generator)
     return beam_search(model, src, beam=beam, alpha=decode.alpha, max_len_a=decode.max_len_a,
-                       max_len_b=decode.max_len_b)
+                       max_len_b=decode.max_len_b, nbest=nbest)
 
 
-def translate_ids(model: Transformer, ids: Sequence[Sequence[int]], decode: DecodeConfig, *,
-                  beam: int) -> list[list[int]]:
-    """Output ids (without EOS) for each source, in input order; an empty source gives an empty output.
+def translate_ids(model: Transformer, ids: Sequence[Sequence[int]], decode: DecodeConfig, *, beam: int,
+                  nbest: int = 1, sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None
+                  ) -> list[list[Hypothesis]]:
+    """The n-best hypotheses of each source, in input order; an empty source gives one empty hypothesis.
 
     Sources are sorted by length and cut into batches of decode.max_src_tokens // beam padded tokens;
     sources longer than the model's positions are truncated, with a warning.
@@ -206,9 +262,34 @@ def translate_ids(model: Transformer, ids: Sequence[Sequence[int]], decode: Deco
         log.warning("%d input line(s) longer than %d tokens were truncated", too_long, max_src - 1)
     order = np.array(sorted((i for i in range(len(ids)) if len(ids[i])), key=lambda i: len(ids[i])), dtype=np.int64)
     widths = np.array([min(len(ids[i]), max_src - 1) + 1 for i in order], dtype=np.int64)
-    out: list[list[int]] = [[] for _ in ids]
+    out = [[Hypothesis([], 0.0, 0.0, [])] for _ in ids]
     for batch in cut_batches(order, widths, decode.max_src_tokens // beam):
         src = pad_sources([ids[i] for i in batch], max_src).to(device)
-        for i, hyp in zip(batch, search(model, src, beam=beam, decode=decode)):
-            out[i] = hyp
+        for i, hyps in zip(batch, search(model, src, beam=beam, decode=decode, nbest=nbest, sampling=sampling,
+                                         generator=generator)):
+            out[i] = hyps
+    return out
+
+
+@torch.no_grad()
+def forced_logprobs(model: Transformer, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor
+                    ) -> torch.Tensor:
+    """Forced decoding: log P of each reference token given the source and the tokens before it (B, T),
+    0 at padding. The same log-softmax that search ranks with, so the two agree."""
+    logp = F.log_softmax(model(src, tgt_in), dim=-1, dtype=torch.float32)  # (B, T, V)
+    return logp.gather(2, tgt_out.unsqueeze(2)).squeeze(2).masked_fill(tgt_out == PAD, 0.0)
+
+
+def score_ids(model: Transformer, src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]],
+              max_tokens: int) -> list[list[float]]:
+    """Per-token log-probabilities (EOS included) of each target given its source, in input order;
+    pairs batched by length like training batches of `max_tokens`."""
+    device = next(model.parameters()).device
+    corpus = TokenizedCorpus.from_lists(src_ids, tgt_ids)
+    out: list[list[float]] = [[] for _ in src_ids]
+    for batch in make_batches(corpus.src_lens, corpus.tgt_lens, max_tokens, seed=0, epoch=0, shuffle=False):
+        b = collate(corpus, batch).to(device)
+        lengths = (b.tgt_out != PAD).sum(1).tolist()
+        for i, row, n in zip(batch.tolist(), forced_logprobs(model, b.src, b.tgt_in, b.tgt_out).tolist(), lengths):
+            out[i] = row[:n]
     return out

@@ -501,7 +501,8 @@ def validation_hypotheses(model: Transformer, valid: TokenizedCorpus, decode: De
                           precision: str, device: torch.device) -> list[list[int]]:
     """Output ids for every validation source, decoded from the cached token ids in the run's precision."""
     model, _ = inference_model(model, precision, device)
-    return translate_ids(model, [valid.src(i) for i in range(len(valid))], decode, beam=beam)
+    hyps = translate_ids(model, [valid.src(i) for i in range(len(valid))], decode, beam=beam)
+    return [nbest[0].tokens for nbest in hyps]
 
 
 def average_and_validate(run_dir: Path, n: int, model: Transformer, validate: Callable[[], dict[str, float]],

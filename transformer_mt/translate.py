@@ -1,35 +1,82 @@
-"""Text in, text out: `load_translator` sets a trained model up for inference; `Translator` chunks
-the input, sorts it by length, batches, searches, detokenizes and restores the order."""
+"""What a user does with a trained model, as data: `load_translator` (or `transformer_mt.load`) sets one
+or several checkpoints up for inference; `Translator` translates (n-best, scores, attention, alignment,
+sampling) and scores given translations (forced decoding), in batches sorted by length."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .checkpoint import load_for_inference, resolve_checkpoint
+from .checkpoint import CheckpointError, load_for_inference, resolve_checkpoint
 from .config import Config, ConfigError, DecodeConfig
-from .model import Transformer
+from .data import DataError
+from .model import Ensemble, Transformer
 from .runtime import inference_model, pick_device
-from .search import translate_ids
+from .search import Hypothesis, Sampling, score_ids, translate_ids
 from .tokenizer import Tokenizer
+from .vocab import BOS, EOS
+
+
+@dataclass
+class Translation:
+    """One hypothesis for one source sentence."""
+
+    text: str  # detokenized
+    pieces: list[str]  # SentencePiece pieces, without EOS
+    logprob: float  # log P(translation | source), EOS included
+    score: float  # what ranked it: logprob / GNMT length penalty under beam search, else the logprob
+    token_logprobs: list[float]  # one per piece, then EOS
+    source_pieces: list[str] = field(default_factory=list)
+    # Cross-attention of the last decoder layer, averaged over its heads: one row per piece (then EOS),
+    # one column per source piece (then EOS). With attention=True only.
+    attention: Optional[list[list[float]]] = None
+    attention_heads: Optional[torch.Tensor] = None  # every layer and head: (layers, heads, rows, columns)
+    alignment: Optional[list[tuple[int, int]]] = None  # (source word, target word) pairs, 0-based
+
+    def pharaoh(self) -> str:
+        """The alignment as `0-0 1-2 ...` (source-target), the format fairseq and Marian print."""
+        return " ".join(f"{s}-{t}" for s, t in self.alignment or [])
+
+    def to_json(self, alignment: bool = False) -> dict[str, Any]:
+        out = {"text": self.text, "score": self.score, "logprob": self.logprob, "tokens": self.pieces,
+               "token_logprobs": self.token_logprobs}
+        if alignment:
+            out["alignment"] = self.pharaoh()
+        return out
+
+
+@dataclass
+class Scored:
+    """A (source, target) pair scored by forced decoding."""
+
+    source: str
+    target: str
+    logprob: float  # log P(target | source), EOS included
+    tokens: list[str]  # the target's pieces
+    token_logprobs: list[float]  # one per piece, then EOS
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 class Translator:
-    """Translates sentences with a trained model; `translate_stream` keeps memory bounded.
+    """Translates and scores sentences with a trained model (or an `Ensemble`); the `*_stream` methods
+    keep memory bounded on inputs of any length.
 
-    From `load_translator`, it also knows where it came from: `checkpoint` (path), `config` (the run's)
-    and `step`; built around a model in memory (validation during training), those are None.
+    From `load_translator` it also knows where it came from: `checkpoint` (path of the first model),
+    `config` (its run's) and `step`; built around a model in memory (validation, tests), those are None.
     """
 
     checkpoint: Optional[Path] = None
     config: Optional[Config] = None
     step: Optional[int] = None
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, decode: DecodeConfig,
+    def __init__(self, model: Transformer | Ensemble, tokenizer: Tokenizer, decode: DecodeConfig,
                  device: Optional[torch.device] = None, precision: str = "fp32"):
         """precision: the run's train.precision; bf16 and fp16 runs decode with a copy of the model in that
         dtype (runtime.inference_model), and the caller's model is left as it is."""
@@ -37,42 +84,149 @@ class Translator:
         self.device = device or next(model.parameters()).device
         self.model, self.precision = inference_model(model, precision, self.device)
 
-    def translate(self, lines: list[str], *, beam: Optional[int] = None) -> list[str]:
-        """One output line per input line, in input order; empty input gives empty output."""
-        ids = self.tokenizer.encode_src([line.strip() for line in lines])
-        return self.tokenizer.decode_tgt(translate_ids(self.model, ids, self.decode, beam=beam or self.decode.beam))
+    def translate(self, lines: Sequence[str], *, beam: Optional[int] = None, nbest: int = 1,
+                  attention: bool = False, alignment: bool = False, sampling: Optional[Sampling] = None,
+                  generator: Optional[torch.Generator] = None) -> list[list[Translation]]:
+        """The `nbest` best translations of each line, best first (one per line when sampling).
 
-    def translate_stream(self, lines: Iterable[str], *, beam: Optional[int] = None,
-                         chunk: int = 2000) -> Iterator[str]:
-        """Translate an arbitrarily long stream in chunks of `chunk` lines, yielding in order.
+        attention: add the cross-attention of each translation; alignment: add its word alignment (from
+        that attention). An empty line gives one empty translation. `generator` carries a sampling seed
+        across calls (translate_stream passes one); by default `sampling.seed` seeds each call.
+        """
+        beam = beam or self.decode.beam
+        if nbest > beam and sampling is None:
+            raise ConfigError(f"--nbest {nbest} is more than the beam ({beam}): beam search keeps {beam} hypotheses")
+        if sampling is not None and generator is None:
+            generator = sampling.generator(self.device)
+        ids = self.tokenizer.encode_src([line.strip() for line in lines])
+        found = translate_ids(self.model, ids, self.decode, beam=beam, nbest=nbest, sampling=sampling,
+                              generator=generator)
+        out = [[self._translation(h) for h in hyps] for hyps in found]
+        if attention or alignment:
+            self._add_attention(ids, out, lines)
+        return out
+
+    def translate_text(self, lines: Sequence[str], *, beam: Optional[int] = None) -> list[str]:
+        """One output line per input line (the best translation), in input order."""
+        return [hyps[0].text for hyps in self.translate(lines, beam=beam)]
+
+    def translate_stream(self, lines: Iterable[str], *, chunk: int = 2000, sampling: Optional[Sampling] = None,
+                         **options: Any) -> Iterator[tuple[str, list[Translation]]]:
+        """Translate an arbitrarily long stream in chunks of `chunk` lines, yielding (line, its n-best list)
+        in order; `options` are translate()'s. A sampling seed seeds the whole stream once.
 
         A line ends at "\\n" only (a trailing "\\r" of a CRLF file is dropped); with chunk=1 each line is
         translated as soon as it arrives, for interactive use.
         """
-        buf: list[str] = []
-        for line in lines:
-            line = line[:-1] if line.endswith("\n") else line
-            buf.append(line[:-1] if line.endswith("\r") else line)
-            if len(buf) == chunk:
-                yield from self.translate(buf, beam=beam)
-                buf = []
-        if buf:
-            yield from self.translate(buf, beam=beam)
+        generator = sampling.generator(self.device) if sampling is not None else None
+        for buf in _chunks(lines, chunk):
+            yield from zip(buf, self.translate(buf, sampling=sampling, generator=generator, **options))
+
+    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
+        """Forced decoding: log P(target | source) of each pair, with per-token log-probabilities."""
+        if len(sources) != len(targets):
+            raise DataError(f"{len(sources)} sources but {len(targets)} targets: they must pair up line by line")
+        src_ids = self.tokenizer.encode_src([s.strip() for s in sources])
+        tgt_ids = self.tokenizer.encode_tgt([t.strip() for t in targets])
+        limit = self.model.cfg.max_positions - 1
+        src_ids = [s[:limit] for s in src_ids]  # as translate does (it warns)
+        too_long = [i for i, t in enumerate(tgt_ids) if len(t) > limit]
+        if too_long:
+            raise DataError(f"target {too_long[0] + 1} has {len(tgt_ids[too_long[0]])} pieces; this model scores "
+                            f"at most model.max_positions - 1 = {limit}")
+        logps = score_ids(self.model, src_ids, tgt_ids, self.decode.max_src_tokens)
+        return [Scored(s, t, sum(lp), self.tokenizer.tgt.id_to_piece(ids), lp)
+                for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)]
+
+    def score_stream(self, pairs: Iterable[tuple[str, str]], *, chunk: int = 2000) -> Iterator[Scored]:
+        for buf in _chunks(pairs, chunk):
+            yield from self.score([s for s, _ in buf], [t for _, t in buf])
+
+    def _translation(self, h: Hypothesis) -> Translation:
+        return Translation(self.tokenizer.decode_tgt([h.tokens])[0], self.tokenizer.tgt.id_to_piece(h.tokens),
+                           h.logprob, h.score, h.token_logprobs)
+
+    def _add_attention(self, ids: list[list[int]], out: list[list[Translation]], lines: Sequence[str]) -> None:
+        """Teacher-force each translation to read its cross-attention; align words from the last layer."""
+        limit = self.model.cfg.max_positions
+        for src_ids, hyps in zip(ids, out):
+            src = torch.tensor([list(src_ids[:limit - 1]) + [EOS]], device=self.device)  # (1, S)
+            for h in hyps:
+                tgt_in = torch.tensor([[BOS] + self.tokenizer.tgt.piece_to_id(h.pieces)], device=self.device)
+                heads = self.model.cross_attention(src, tgt_in)[:, 0].float().cpu()  # (L, H, T, S)
+                h.attention_heads = heads
+                h.attention = heads[-1].mean(0).tolist()  # last layer, heads averaged: (T, S)
+                h.source_pieces = self.tokenizer.src.id_to_piece(list(src_ids[:limit - 1]))
+                h.alignment = align_words(heads[-1].mean(0), h.source_pieces, h.pieces)
 
 
-def load_translator(checkpoint: Optional[str | os.PathLike] = None, *, device: str = "auto",
-                    precision: Optional[str] = None, beam: Optional[int] = None, alpha: Optional[float] = None,
-                    max_len: Optional[Sequence[float]] = None) -> Translator:
-    """A Translator for a checkpoint file or run directory (None: the newest run under ./runs/).
+def word_attention(attention: torch.Tensor, src_pieces: list[str], tgt_pieces: list[str]) -> torch.Tensor:
+    """Piece-level attention (T + 1, S + 1; EOS row and column last) -> word-level (target words, source
+    words): summed over a source word's pieces, averaged over a target word's. Words are whitespace words,
+    as SentencePiece's "▁" marks their first piece."""
+    src_index, tgt_index = torch.tensor(word_index(src_pieces)), torch.tensor(word_index(tgt_pieces))
+    S, T = int(src_index.max()) + 1, int(tgt_index.max()) + 1
+    by_src = torch.zeros(len(tgt_pieces), S).index_add_(1, src_index, attention[:-1, :-1].float())
+    by_word = torch.zeros(T, S).index_add_(0, tgt_index, by_src)  # (T, S) sums over target pieces
+    return by_word / torch.bincount(tgt_index, minlength=T).unsqueeze(1)
+
+
+def align_words(attention: torch.Tensor, src_pieces: list[str], tgt_pieces: list[str]) -> list[tuple[int, int]]:
+    """Hard word alignment: each target word goes to the source word it attends to most."""
+    if not src_pieces or not tgt_pieces:
+        return []
+    best = word_attention(attention, src_pieces, tgt_pieces).argmax(1).tolist()
+    return [(s, t) for t, s in enumerate(best)]
+
+
+def word_index(pieces: list[str]) -> list[int]:
+    """The whitespace word each piece belongs to (a piece starting with "▁" starts a word)."""
+    index, word = [], -1
+    for p in pieces:
+        if p.startswith("\u2581") or word < 0:
+            word += 1
+        index.append(word)
+    return index
+
+
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Lists of `size` items; text lines lose their "\\n" (and a CRLF's "\\r"), nothing else."""
+    buf: list[Any] = []
+    for item in items:
+        if isinstance(item, str):
+            item = item[:-1] if item.endswith("\n") else item
+            item = item[:-1] if item.endswith("\r") else item
+        buf.append(item)
+        if len(buf) == size:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def load_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.PathLike]] = None, *,
+                    device: str = "auto", precision: Optional[str] = None, beam: Optional[int] = None,
+                    alpha: Optional[float] = None, max_len: Optional[Sequence[float]] = None) -> Translator:
+    """A Translator for a checkpoint file or run directory (None: the newest run under ./runs/); several
+    checkpoints decode as an ensemble (they must share one SentencePiece model).
 
     precision defaults to the run's train.precision; beam, alpha and max_len (A, B: output at most
     A x source length + B tokens) override the run's decode settings.
     """
-    path = resolve_checkpoint(checkpoint)
-    model, tokenizer, cfg, ckpt = load_for_inference(path, pick_device(device))
+    paths = [resolve_checkpoint(c) for c in ([checkpoint] if checkpoint is None or isinstance(checkpoint, (str, os.PathLike))
+                                             else checkpoint)]
+    target = pick_device(device)
+    loaded = [load_for_inference(p, target) for p in paths]
+    model, tokenizer, cfg, ckpt = loaded[0]
+    for path, (_, other, _, _) in zip(paths[1:], loaded[1:]):
+        if other.digest != tokenizer.digest:
+            raise CheckpointError(f"cannot ensemble {paths[0]} and {path}: their SentencePiece models differ "
+                                  f"({tokenizer.digest} and {other.digest}); ensembles need one vocabulary")
+    if len(loaded) > 1:
+        model = Ensemble([m for m, _, _, _ in loaded])
     cfg.decode = decode_overrides(cfg.decode, beam=beam, alpha=alpha, max_len=max_len)
     translator = Translator(model, tokenizer, cfg.decode, precision=precision or cfg.train.precision)
-    translator.checkpoint, translator.config, translator.step = path, cfg, ckpt.get("step")
+    translator.checkpoint, translator.config, translator.step = paths[0], cfg, ckpt.get("step")
     return translator
 
 
@@ -90,3 +244,4 @@ def decode_overrides(decode: DecodeConfig, *, beam: Optional[int] = None, alpha:
             raise ConfigError(f"--max-len: B must be a whole number of tokens, got {b}")
         changes.update(max_len_a=float(a), max_len_b=int(b))
     return dataclasses.replace(decode, **changes)
+
