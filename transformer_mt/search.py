@@ -98,21 +98,19 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
     B, device = src.size(0), src.device
     memory, src_mask = model.encode(src)
     max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)  # (B,)
-    out: list[list[int]] = [[] for _ in range(B)]
-    logps: list[list[float]] = [[] for _ in range(B)]
+    T = int(max_len.max())
+    out_tok = torch.full((B, T), EOS, dtype=torch.long, device=device)  # filled in on the device,
+    out_logp = torch.zeros((B, T), device=device)  # read back once at the end
     alive = torch.arange(B, device=device)  # original row of each row still decoding
     tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
     cache = model.new_cache()
-    for t in range(int(max_len.max())):
-        logits = model.decode_step(tokens, memory, src_mask, cache)  # (n, V)
-        logp = _mask_specials(F.log_softmax(logits, dim=-1, dtype=torch.float32))  # (n, V)
-        _force_eos(logp, max_len[alive] <= t + 1)  # out of budget: this token must be EOS
-        next_tok = logp.argmax(-1) if sampling is None else sampling.choose(logp, generator)  # (n,)
-        chosen = logp.gather(1, next_tok.unsqueeze(1)).squeeze(1)  # (n,)
-        for row, tok, lp in zip(alive.tolist(), next_tok.tolist(), chosen.tolist()):
-            logps[row].append(lp)
-            if tok != EOS:
-                out[row].append(tok)
+    for t in range(T):
+        logits = model.decode_step(tokens, memory, src_mask, cache).float()  # (n, V)
+        log_z = logits.logsumexp(-1)  # (n,): log-probability = logit - log_z
+        _force_eos(_mask_specials(logits), max_len[alive] <= t + 1)  # out of budget: this token must be EOS
+        next_tok = logits.argmax(-1) if sampling is None else sampling.choose(logits - log_z[:, None], generator)
+        out_tok[alive, t] = next_tok
+        out_logp[alive, t] = logits.gather(1, next_tok.unsqueeze(1)).squeeze(1) - log_z
         done = next_tok == EOS
         if done.all():
             break
@@ -121,7 +119,12 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
             alive, memory, src_mask = alive[keep], memory[keep], src_mask[keep]
             cache.reorder(keep)
         tokens = next_tok[keep].unsqueeze(1)
-    return [[Hypothesis(out[b], sum(logps[b]), sum(logps[b]), logps[b])] for b in range(B)]
+    lengths = ((out_tok != EOS).cumprod(1).sum(1) + 1).tolist()  # tokens up to and including the first EOS
+    out = []
+    for toks, logps, n in zip(out_tok.tolist(), out_logp.tolist(), lengths):
+        lp = logps[:n]
+        out.append([Hypothesis(toks[:n - 1], sum(lp), sum(lp), lp)])
+    return out
 
 
 def topk_rows(x: torch.Tensor, k: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
