@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test bench bench-quality docs-figure clean
+.PHONY: install demo test test-browser bench bench-quality docs-figure clean
 
 install: $(VENV)/.installed
 
@@ -28,18 +28,27 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# Speed side by side with the peers (../shared/peers, optional) -> BENCHMARKS.md, bench.json.
+# The served page in headless Chromium (Debian's chromium and chromium-driver, installed when missing).
+test-browser: install
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { apt-get update -q && apt-get install -y -q chromium chromium-driver; }
+	$(PY) -m pytest -q -m browser
+
+# Speed side by side with the peers (../shared/peers, optional), and serving -> BENCHMARKS.md, bench*.json.
 bench: install
 	$(PY) scripts/bench.py
+	$(PY) scripts/bench_serve.py
 
 # The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.
 bench-quality: install
 	$(PY) scripts/bench_quality.py --budget 20 --fp32-steps 600
 
-# The README's attention figure, drawn by the code from the demo model (run `make demo` first).
-docs-figure: install
+# The README's figures, drawn by the code: the demo model's attention (run `make demo` first) and
+# the served page as the browser test leaves it.
+docs-figure: install test-browser
 	$(VENV)/bin/tmt translate --checkpoint runs/demo --plot-attention runs/demo/plots < configs/demo_samples.en > /dev/null
 	cp runs/demo/plots/1.png docs/attention.png
+	cp runs/browser/page.png docs/serve-page.png
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache

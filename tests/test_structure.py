@@ -59,3 +59,9 @@ def test_training_does_not_import_inference_set_up():
 
 def test_nothing_but_cli_imports_cli():
     assert not [p.name for p in PACKAGE.glob("*.py") if p.stem not in ("cli", "__main__") and "cli" in _package_imports(p.stem)]
+
+
+def test_only_cli_imports_the_server_and_the_plots():
+    """serve.py and plot.py are thin layers over translate.py, each behind an optional extra."""
+    users = {p.stem for p in PACKAGE.glob("*.py") if _package_imports(p.stem) & {"serve", "plot"}}
+    assert users <= {"cli"}

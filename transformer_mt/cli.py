@@ -79,6 +79,8 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
                         "logprob, tokens and token_logprobs (default: text)")
     p.add_argument("--output", "-o", metavar="FILE", help="write the scores to FILE (default: stdout)")
 
+    _add_serve_parser(sub)
+
     p = sub.add_parser("average", help="average the weights of a run's step checkpoints",
                        description="Average the newest N (--last) or the N best-validating (--best) "
                                    "checkpoints/step_N.pt of a run into checkpoints/averaged.pt (or --output), "
@@ -89,6 +91,31 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--best", type=_positive_int, metavar="N",
                        help="average the N step checkpoints with the best validation score")
     p.add_argument("--output", "-o", metavar="FILE", help="where to write (default: RUN_DIR/checkpoints/averaged.pt)")
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from .serve import Limits
+
+    d = Limits()
+    p = sub.add_parser("serve", help="serve a model: a JSON API and a web page (the [serve] extra)",
+                       description="A translation server on Starlette/uvicorn: POST /translate, POST /score, "
+                                   "GET /health, GET /info, and a page at /. Concurrent requests are batched "
+                                   "together; the model runs in one worker thread. SIGTERM or Ctrl-C stops "
+                                   "accepting, finishes the requests in flight, then exits.")
+    _add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    p.add_argument("--max-body", type=_positive_int, default=d.max_body, metavar="BYTES",
+                   help=f"largest request body; larger gets 413 (default: {d.max_body})")
+    p.add_argument("--max-lines", type=_positive_int, default=d.max_lines, metavar="N",
+                   help=f"most lines in one request; more gets 413 (default: {d.max_lines})")
+    p.add_argument("--max-queue", type=_positive_int, default=d.max_queue, metavar="N",
+                   help=f"most requests waiting or running; more get 503 with Retry-After (default: {d.max_queue})")
+    p.add_argument("--deadline", type=float, default=d.deadline, metavar="SECONDS",
+                   help=f"a request not answered within this gets 504, and its work is dropped (default: {d.deadline:g})")
+    p.add_argument("--batch-wait", type=float, default=d.batch_wait, metavar="SECONDS",
+                   help=f"how long the model's worker waits for more requests to batch with (default: {d.batch_wait:g})")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -235,6 +262,19 @@ def _open_io(input: Optional[str], output: Optional[str]) -> Iterator[tuple[Text
         yield src, out
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import Limits, require_serve_extra, serve
+    from .translate import load_translator
+
+    require_serve_extra()
+    translator = load_translator(args.checkpoint, device=args.device, precision=args.precision, beam=args.beam,
+                                 alpha=args.alpha, max_len=args.max_len)
+    limits = Limits(max_body=args.max_body, max_lines=args.max_lines, max_queue=args.max_queue,
+                    deadline=args.deadline, batch_wait=args.batch_wait)
+    serve(translator, host=args.host, port=args.port, limits=limits)
+    return 0
+
+
 def cmd_score(args: argparse.Namespace) -> int:
     from .data import pair_lines
     from .translate import load_translator
@@ -288,7 +328,7 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "translate": cmd_translate, "evaluate": cmd_evaluate, "score": cmd_score,
-            "average": cmd_average}
+            "serve": cmd_serve, "average": cmd_average}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

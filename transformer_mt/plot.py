@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-from .translate import Translation, word_attention, word_index
+from .translate import Translation, word_attention, words_of
 
 
 def require_matplotlib() -> None:
@@ -26,7 +26,7 @@ def plot_attention(h: Translation, path: Path, *, all_heads: bool = False) -> No
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    src_words, tgt_words = _words(h.source_pieces), _words(h.pieces)
+    src_words, tgt_words = words_of(h.source_pieces), words_of(h.pieces)
     if all_heads:
         L, H = h.attention_heads.shape[:2]
         fig, axes = plt.subplots(L, H, figsize=(2.2 + 2.6 * H, 1.2 + 2.6 * L), squeeze=False)
@@ -53,11 +53,3 @@ def plot_attention(h: Translation, path: Path, *, all_heads: bool = False) -> No
 def _label(ax, columns: list[str], rows: list[str], fontsize: int) -> None:
     ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=fontsize)
     ax.set_yticks(range(len(rows)), rows, fontsize=fontsize)
-
-
-def _words(pieces: list[str]) -> list[str]:
-    """Whitespace words from SentencePiece pieces, as word_index groups them."""
-    words = [""] * (max(word_index(pieces)) + 1 if pieces else 0)
-    for w, p in zip(word_index(pieces), pieces):
-        words[w] += p
-    return [w.lstrip("\u2581") for w in words]

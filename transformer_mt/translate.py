@@ -189,6 +189,14 @@ def word_index(pieces: list[str]) -> list[int]:
     return index
 
 
+def words_of(pieces: list[str]) -> list[str]:
+    """Whitespace words from SentencePiece pieces, grouped as word_index groups them."""
+    words = [""] * (max(word_index(pieces)) + 1 if pieces else 0)
+    for w, p in zip(word_index(pieces), pieces):
+        words[w] += p
+    return [w.lstrip("\u2581") for w in words]
+
+
 def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
     """Lists of `size` items; text lines lose their "\\n" (and a CRLF's "\\r"), nothing else."""
     buf: list[Any] = []
