@@ -80,6 +80,14 @@ def report(res: dict) -> str:
             f"BLEU signature: `{r['bleu_signature']}`; chrF: `{r['chrf_signature']}`; TER: `{r['ter_signature']}`.",
             "",
         ]
+        if "tokenized_bleu" in r:
+            lines += [f"Beside it, the literature's measure: **tokenized BLEU {r['tokenized_bleu']:.2f}** (sacreBLEU "
+                      f"{r['bleu']:.2f}), {r['tokenized_bleu_description']}.", ""]
+    if "tokenization_agreement" in res:
+        a = res["tokenization_agreement"]
+        lines += ["Our tokenization of the raw German references against the official `tok/*.lc.norm.tok.de` files: "
+                  + "; ".join(f"{split} {v['same']:,} of {v['lines']:,} lines identical" for split, v in a.items())
+                  + ".", ""]
     if "budget" in res:
         b = res["budget"]
         lines += [f"### Equal budget: {b['minutes']:g} minutes of training, the same model (3+3, d 256, 8k joint vocabulary)",
@@ -155,6 +163,19 @@ def record_experiment(res: dict, config: str, run_dir: Path, result: dict) -> No
     replace_section(ROOT / "docs" / "multi30k.md", "experiments", "\n".join(rows))
 
 
+def tokenization_agreement() -> dict:
+    """How many raw reference lines our tokenization (metrics.moses_tokenized) turns into the official file's line."""
+    from transformer_mt.data import read_lines
+    from transformer_mt.metrics import moses_tokenized
+
+    out = {}
+    for split in ("val", "test_2016_flickr"):
+        ours = moses_tokenized(read_lines(MULTI30K / f"{split}.de.gz"), "de")
+        official = read_lines(MULTI30K / "tok" / f"{split}.lc.norm.tok.de.gz")
+        out[split] = {"lines": len(official), "same": sum(a == b for a, b in zip(ours, official))}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="configs/multi30k_en_de_local.yaml")
@@ -176,6 +197,7 @@ def main() -> int:
     path = Path(args.json)
     res = json.loads(path.read_text()) if path.exists() else {}
     res["date"] = time.strftime("%Y-%m-%d %H:%M")
+    res["tokenization_agreement"] = tokenization_agreement()
     if not args.skip_recipe:
         res["recipe_config"] = args.recipe
         run_dir = yaml.safe_load((ROOT / args.recipe).read_text())["output_dir"]  # the user's own command

@@ -622,3 +622,59 @@ def test_the_readme_python_example_runs(trained, capsys):
     exec(code.replace('"runs/demo"', repr(str(trained["run_dir"]))), {})
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 5 and out[2].startswith("[")  # text+scores, pieces, alignment, scores, text
+
+
+# --------------------------------------------------------------------------- evaluation to publish (issue 14)
+
+
+def test_evaluate_compare_prints_and_carries_the_test(trained, tmp_path, capsys):
+    run = str(trained["run_dir"])
+    other = tmp_path / "other.hyp"
+    assert main(["evaluate", "-c", run, "--beam", "1", "-o", str(other)]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "-c", run, "--compare", str(other), "--json", "--confidence"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    c = result["comparison"]
+    assert c["method"] == "paired bootstrap resampling" and c["samples"] == 1000 and c["seed"] == "12345"
+    base, greedy = c["metrics"]["BLEU"]["systems"]
+    assert base["system"].endswith("best.pt") and greedy["system"] == str(other)
+    assert greedy["delta"] == pytest.approx(greedy["score"] - base["score"], abs=0.01)
+    assert 0 < greedy["p_value"] <= 1 and len(base["ci95"]) == 2
+    assert result["bleu_confidence"]["bootstrap_samples"] == 1000 and "tokenized_bleu" in result
+    assert main(["evaluate", "-c", run, "--compare", str(other), "--paired-ar"]) == 0
+    out = capsys.readouterr().out
+    assert "paired approximate randomization" in out and "p = " in out and "Δ" in out and "95% CI" in out
+
+
+def test_evaluate_takes_several_references(trained, tmp_path, capsys):
+    corpus = trained["corpus"]
+    src, ref = corpus / "test.en", corpus / "test.de"
+    noise = write_lines(tmp_path / "noise.de", ["x"] * N_TEST)
+    assert main(["evaluate", "-c", str(trained["run_dir"]), "--src", str(src), "--ref", str(noise), "--ref", str(ref),
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["references"] == 2 and "nrefs:2" in result["signature"]
+
+
+def test_a_tiny_english_to_japanese_corpus_trains_translates_and_evaluates_without_unk(tmp_path, capsys):
+    """Japanese words made of kanji and kana the tokenizer samples rarely; byte fallback spells those."""
+    en = "cat dog bird fish red blue big small sees eats".split()
+    ja = "猫 犬 鳥 魚 赤い 青い 大きい 小さい 見る 食べる".split()
+    rng = random.Random(3)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split, n in (("train", 300), ("valid", 10), ("test", 10)):
+        idx = [[rng.randrange(len(en)) for _ in range(rng.randint(2, 5))] for _ in range(n)]
+        write_lines(corpus / f"{split}.en", [" ".join(en[i] for i in row) for row in idx])
+        write_lines(corpus / f"{split}.ja", ["".join(ja[i] for i in row) + "。" for row in idx])
+    cfg = write_config(tmp_path, corpus, tmp_path / "run", extra="")
+    cfg.write_text(cfg.read_text().replace("tgt_lang: de", "tgt_lang: ja").replace("vocab_size: 60", "vocab_size: 400\n  byte_fallback: true"))
+    assert main(["-q", "train", str(cfg), "--set", "train.max_steps=60"]) == 0
+    saved = load_config(tmp_path / "run" / "config.yaml")
+    assert saved.tokenizer.character_coverage == 0.9995 and saved.tokenizer.byte_fallback
+    capsys.readouterr()
+    assert main(["evaluate", "-c", str(tmp_path / "run"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "tok:ja-mecab" in result["bleu_signature"] and "asian:yes" in result["ter_signature"]
+    hyps = Path(result["hypotheses_path"]).read_text(encoding="utf-8")
+    assert "⁇" not in hyps and "<unk>" not in hyps  # SentencePiece writes an unknown piece as ⁇

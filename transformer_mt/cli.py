@@ -61,11 +61,23 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
                                    "the checkpoint.")
     _add_model_flags(p)
     p.add_argument("--src", metavar="FILE", help="source sentences (plain text or .gz); needs --ref")
-    p.add_argument("--ref", metavar="FILE", help="reference translations, line-aligned with --src")
+    p.add_argument("--ref", metavar="FILE", action="append",
+                   help="reference translations, line-aligned with --src; repeat for several references")
     p.add_argument("--output", "-o", metavar="FILE", help="where to write the hypotheses "
                                                           "(default: next to the checkpoint)")
     p.add_argument("--json", action="store_true", help="print one JSON object (bleu, chrf, ter, signature, "
-                                                       "hypotheses_path, ...) instead of text")
+                                                       "tokenized_bleu, comparison, hypotheses_path, ...) instead of text")
+    p.add_argument("--compare", nargs="+", default=[], metavar="OTHER",
+                   help="compare with other systems: hypothesis files, or checkpoints/runs (translated the same "
+                        "way); prints each system's BLEU and chrF with its 95%% interval, the difference to this "
+                        "one and the p-value of sacreBLEU's paired bootstrap resampling (1,000 samples, seed 12345)")
+    p.add_argument("--paired-ar", action="store_true",
+                   help="with --compare: paired approximate randomization (10,000 trials) instead of the bootstrap")
+    p.add_argument("--confidence", action="store_true",
+                   help="a 95%% bootstrap interval (1,000 samples) for each of this system's scores")
+    p.add_argument("--tokenize", choices=sorted(_bleu_tokenizers()), metavar="NAME",
+                   help="sacreBLEU's BLEU tokenizer (default: from the target language as sacreBLEU does: zh, "
+                        "ja-mecab, ko-mecab, else 13a)")
 
     p = sub.add_parser("score", help="score given translations by forced decoding (log-probabilities, perplexity)",
                        description="Forced decoding of (source, target) pairs, like fairseq's --score-reference, "
@@ -168,6 +180,12 @@ def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="with --sampling: divide the logits by T (below 1 sharper; 0 = greedy) (default: 1)")
     p.add_argument("--seed", type=int, metavar="S", help="with --sampling: the same seed gives the same output")
+
+
+def _bleu_tokenizers() -> list[str]:
+    from sacrebleu.metrics import BLEU
+
+    return list(BLEU.TOKENIZERS)
 
 
 def _sampling(text: str) -> Any:
@@ -307,16 +325,38 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import evaluate
 
     result = evaluate(args.checkpoint, src=args.src, ref=args.ref, beam=args.beam, alpha=args.alpha,
-                      max_len=args.max_len, device=args.device, precision=args.precision, output=args.output)
+                      max_len=args.max_len, device=args.device, precision=args.precision, output=args.output,
+                      others=args.compare, paired_ar=args.paired_ar, confidence=args.confidence,
+                      tokenize=args.tokenize)
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        print(result["bleu_detail"])
-        print(f"chrF2 = {result['chrf']:.2f}  {result['chrf_signature']}")
-        print(f"TER = {result['ter']:.2f}  {result['ter_signature']}")
-        print(f"{result['sentences']} sentences, beam {result['beam']}, {result['sentences_per_second']} sent/s; "
-              f"hypotheses in {result['hypotheses_path']}", file=sys.stderr)
+        return 0
+    print(result["bleu_detail"])
+    print(f"chrF2 = {result['chrf']:.2f}  {result['chrf_signature']}")
+    print(f"TER = {result['ter']:.2f}  {result['ter_signature']}")
+    for name in ("bleu", "chrf", "ter"):
+        if f"{name}_confidence" in result:
+            c = result[f"{name}_confidence"]
+            print(f"{name}: 95% bootstrap interval {c['mean']:.2f} ± {c['plus_minus']:.2f} ({c['bootstrap_samples']} samples)")
+    if "tokenized_bleu" in result:
+        print(f"tokenized BLEU = {result['tokenized_bleu']:.2f}  ({result['tokenized_bleu_description']})")
+    if "comparison" in result:
+        print(_comparison_table(result["comparison"]))
+    print(f"{result['sentences']} sentences, beam {result['beam']}, {result['sentences_per_second']} sent/s; "
+          f"hypotheses in {result['hypotheses_path']}", file=sys.stderr)
     return 0
+
+
+def _comparison_table(c: dict) -> str:
+    lines = [f"Comparison: {c['method']}, {c['samples']} samples, seed {c['seed']}; p: the chance of a difference "
+             "this large if the systems were equal"]
+    for metric, m in c["metrics"].items():
+        lines.append(f"{metric}  ({m['signature']})")
+        for i, row in enumerate(m["systems"]):
+            ci = f"[{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]" if row["ci95"] else ""
+            test = "baseline" if i == 0 else f"Δ {row['delta']:+.2f}  p = {row['p_value']:.4f}"
+            lines.append(f"  {row['score']:6.2f}  95% CI {ci:16}  {test:24}  {row['system']}")
+    return "\n".join(lines)
 
 
 def cmd_average(args: argparse.Namespace) -> int:

@@ -69,13 +69,16 @@ class TokenizerConfig:
     type: Literal["unigram", "bpe"] = "unigram"
     vocab_size: int = 8000
     joint: bool = True  # one model and vocabulary for both languages
-    character_coverage: float = 1.0
+    # Share of characters the vocabulary covers; the rarest others become <unk> (or bytes, with
+    # byte_fallback). Default as SentencePiece recommends: 0.9995 when a language is zh, ja or ko, else 1.0.
+    character_coverage: Optional[float] = None
+    byte_fallback: bool = False  # spell characters outside the vocabulary as UTF-8 bytes: no <unk> at all
     max_sentences: int = 2_000_000  # SentencePiece trains on a random sample of at most this many lines
 
     def __post_init__(self) -> None:
         _check(self.vocab_size >= 16, "tokenizer.vocab_size", f"must be >= 16, got {self.vocab_size}")
-        _check(0.9 <= self.character_coverage <= 1.0, "tokenizer.character_coverage",
-               f"must be in [0.9, 1.0], got {self.character_coverage}")
+        _check(self.character_coverage is None or 0.9 <= self.character_coverage <= 1.0,
+               "tokenizer.character_coverage", f"must be in [0.9, 1.0], got {self.character_coverage}")
 
 
 @dataclass
@@ -189,6 +192,9 @@ class Config:
         # A training target of max_len tokens takes max_len + 1 positions (with BOS, or EOS).
         if self.data.max_len is None:
             self.data.max_len = min(256, self.model.max_positions - 1)
+        if self.tokenizer.character_coverage is None:  # large character sets: SentencePiece's advice
+            cjk = {self.data.src_lang, self.data.tgt_lang} & {"zh", "ja", "ko"}
+            self.tokenizer.character_coverage = 0.9995 if cjk else 1.0
         _check(self.data.max_len + 1 <= self.model.max_positions, "data.max_len",
                f"({self.data.max_len}) + 1 must be <= model.max_positions ({self.model.max_positions}): "
                "lower data.max_len or raise model.max_positions")

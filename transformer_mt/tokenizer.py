@@ -112,7 +112,8 @@ def _train_one(cfg: TokenizerConfig, lines: Iterable[str], seed: int) -> bytes:
             model_type=cfg.type,
             vocab_size=cfg.vocab_size,
             hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary instead of an error
-            character_coverage=cfg.character_coverage,
+            character_coverage=cfg.character_coverage if cfg.character_coverage is not None else 1.0,
+            byte_fallback=cfg.byte_fallback,
             input_sentence_size=cfg.max_sentences,
             shuffle_input_sentence=True,
             pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,

@@ -476,7 +476,7 @@ def validate(model: Transformer, data: TrainingData, refs: Optional[list[str]], 
     metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
     if refs is not None:
         hyps = validation_hypotheses(model, data.valid, cfg.decode, cfg.train.valid_beam, precision, device)
-        metrics["bleu"] = score(tokenizer.decode_tgt(hyps), refs, names=("bleu",))["bleu"]
+        metrics["bleu"] = score(tokenizer.decode_tgt(hyps), refs, names=("bleu",), lang=cfg.data.tgt_lang)["bleu"]
     model.train()
     return metrics
 
