@@ -16,12 +16,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import UserError
-from .translate import Translation, Translator, word_attention, words_of
+
+if TYPE_CHECKING:  # imported late below: `tmt --help` builds this command's flags without loading torch
+    from .translate import Translation, Translator
 
 log = logging.getLogger("transformer_mt")
 PAGE = Path(__file__).parent / "static" / "index.html"
@@ -198,6 +198,10 @@ def _integer(body: dict[str, Any], key: str, default: int, low: int, high: int) 
 
 
 def translation_json(source: str, hyps: list[Translation], attention: bool, alignment: bool) -> dict[str, Any]:
+    import torch
+
+    from .translate import word_attention, words_of
+
     out = []
     for h in hyps:
         item = h.to_json(alignment)
