@@ -678,3 +678,20 @@ def test_a_tiny_english_to_japanese_corpus_trains_translates_and_evaluates_witho
     assert "tok:ja-mecab" in result["bleu_signature"] and "asian:yes" in result["ter_signature"]
     hyps = Path(result["hypotheses_path"]).read_text(encoding="utf-8")
     assert "⁇" not in hyps and "<unk>" not in hyps  # SentencePiece writes an unknown piece as ⁇
+
+
+def test_sampling_flags_are_checked(trained, tmp_path, capsys):
+    f = write_lines(tmp_path / "in.txt", ["alpha", ""])
+    run = str(trained["run_dir"])
+    assert main(["translate", "-c", run, "-i", str(f), "--temperature", "0.5"]) == 2
+    assert "--sampling" in capsys.readouterr().err
+    assert main(["translate", "-c", run, "-i", str(f), "--sampling", "topk:0", "--temperature", "-1"]) == 2
+    assert main(["translate", "-c", run, "-i", str(f), "--sampling", "topk:0", "--temperature", "1e-40",
+                 "--seed", "1", "-o", str(tmp_path / "o.txt")]) == 0  # tiny T: greedy, not NaN
+    assert lines_of(tmp_path / "o.txt") == _translate(trained, tmp_path, ["alpha", ""], "--beam", "1")
+
+
+def test_plot_attention_skips_empty_lines(trained, tmp_path):
+    plots = tmp_path / "p"
+    _translate(trained, tmp_path, ["", "alpha beta"], "--plot-attention", str(plots))
+    assert sorted(p.name for p in plots.iterdir()) in (["1.png"], [])  # line 0 is empty: nothing to draw

@@ -262,3 +262,27 @@ def test_the_page_translates_in_headless_chromium_and_draws_the_heatmap(run_dir)
             assert page.save_screenshot(str(out / "page.png"))
         finally:
             page.quit()
+
+
+def test_a_bad_request_in_a_shared_batch_fails_alone(run_dir):
+    """A target too long to score is that request's 400; the requests batched with it are answered."""
+    good = {"source": ["alpha beta"], "target": ["alpha beta"]}
+    bad = {"source": ["alpha"], "target": [" ".join(["alpha"] * 200)]}  # over model.max_positions
+    with server(run_dir, "--batch-wait", "0.5") as (url, _):
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda body: post(url + "/score", body), [good, bad, good]))
+        assert [a[0] for a in answers] == [200, 400, 200]
+        assert "max_positions" in answers[1][1]["error"]
+
+
+def test_requests_held_for_another_batch_are_batched_together(run_dir):
+    """Requests with two sets of options arriving together make two batches, not one per held request."""
+    with server(run_dir, "--batch-wait", "0.5", "--max-lines", "4096") as (url, _):
+        with concurrent.futures.ThreadPoolExecutor(9) as pool:
+            busy = pool.submit(post, url + "/translate", BUSY)
+            time.sleep(0.3)
+            bodies = [{"text": [line], "beam": 2 + i % 2} for i, line in enumerate(random_lines(8, random.Random(9)))]
+            answers = list(pool.map(lambda body: post(url + "/translate", body), bodies))
+            assert busy.result()[0] == 200
+        assert all(a[0] == 200 for a in answers)
+        assert get(url + "/health")[1]["batches"] <= 1 + 2 + 1  # the busy one, beam 2, beam 3 (+1 for timing)

@@ -233,6 +233,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
     plot = _attention_plotter(args.plot_attention, args.plot_all_heads)  # fails before loading if the extra is missing
     translator = load_translator(args.checkpoint, device=args.device, precision=args.precision, beam=args.beam,
                                  alpha=args.alpha, max_len=args.max_len)
+    if args.sampling is None and (args.temperature != 1.0 or args.seed is not None):
+        raise UserError("--temperature and --seed go with --sampling topk:K or topp:P")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature:g}")
     sampling = args.sampling and dataclasses.replace(args.sampling, temperature=args.temperature, seed=args.seed)
     with _open_io(args.input, args.output) as (src, out):
         interactive = src.isatty()  # a person typing: answer each line at once, not after 2,000 of them
@@ -264,7 +268,11 @@ def _attention_plotter(folder: Optional[str], all_heads: bool) -> Any:
 
     require_matplotlib()
     Path(folder).mkdir(parents=True, exist_ok=True)
-    return lambda h, i: plot_attention(h, Path(folder) / f"{i}.png", all_heads=all_heads)
+    def plot(h: Any, i: int) -> None:
+        if h.pieces and h.source_pieces:  # an empty line or translation has no attention to draw
+            plot_attention(h, Path(folder) / f"{i}.png", all_heads=all_heads)
+
+    return plot
 
 
 @contextlib.contextmanager

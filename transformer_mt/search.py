@@ -44,7 +44,7 @@ def _mask_specials(scores: torch.Tensor) -> torch.Tensor:
 def _force_eos(scores: torch.Tensor, forced: torch.Tensor) -> None:
     """Rows out of length budget may only end: every token but EOS gets -inf (EOS keeps its score)."""
     eos = scores[:, EOS].clone()
-    scores[forced] = -math.inf
+    scores.masked_fill_(forced.unsqueeze(1), -math.inf)  # no boolean indexing: no host sync
     scores[:, EOS] = torch.where(forced, eos, scores[:, EOS])
 
 
@@ -69,6 +69,10 @@ class Sampling:
     temperature: float = 1.0
     seed: Optional[int] = None  # None: torch's global generator
 
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.topk < 0 or not 0 < self.topp <= 1:
+            raise ValueError(f"sampling needs temperature >= 0, topk >= 0 and 0 < topp <= 1, got {self}")
+
     def generator(self, device: torch.device) -> Optional[torch.Generator]:
         """A generator seeded with `seed`, to be passed along one whole job (not re-seeded per batch)."""
         return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
@@ -77,7 +81,9 @@ class Sampling:
         """logp (n, V) log-probabilities (specials masked) -> (n,) next tokens."""
         if self.temperature == 0:
             return logp.argmax(-1)
-        scores = logp / self.temperature  # (n, V); softmax(logp / T) = softmax(logits / T)
+        # (n, V); softmax(logp / T) = softmax(logits / T). The best token is 0 before dividing, so a tiny T
+        # cannot underflow every score to -inf.
+        scores = (logp - logp.max(1, keepdim=True).values) / self.temperature
         if self.topk:
             kth = scores.topk(min(self.topk, scores.size(1)), dim=1).values[:, -1:]  # (n, 1)
             scores = scores.masked_fill(scores < kth, -math.inf)
@@ -111,10 +117,9 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
         next_tok = logits.argmax(-1) if sampling is None else sampling.choose(logits - log_z[:, None], generator)
         out_tok[alive, t] = next_tok
         out_logp[alive, t] = logits.gather(1, next_tok.unsqueeze(1)).squeeze(1) - log_z
-        done = next_tok == EOS
-        if done.all():
+        keep = (next_tok != EOS).nonzero().squeeze(1)  # the one host sync of the step
+        if len(keep) == 0:
             break
-        keep = (~done).nonzero().squeeze(1)
         if len(keep) < len(alive):  # drop finished sentences from the batch
             alive, memory, src_mask = alive[keep], memory[keep], src_mask[keep]
             cache.reorder(keep)

@@ -100,6 +100,10 @@ class Batcher:
         self.jobs.put(None)
         self.thread.join(timeout=60)
 
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.stats)
+
     def submit(self, job: Job) -> None:
         with self.lock:
             if self.stats["pending"] >= self.limits.max_queue:
@@ -114,16 +118,21 @@ class Batcher:
             first = held.pop(0) if held else self.jobs.get()
             if first is None:
                 return
-            batch, stop_at = [first], time.monotonic() + self.limits.batch_wait
-            while sum(len(j.lines) for j in batch) < self.limits.batch_lines:
+            batch = [first] + [j for j in held if j is not None and j.key() == first.key()]
+            held = [j for j in held if j not in batch]
+            lines, stop_at = sum(len(j.lines) for j in batch), time.monotonic() + self.limits.batch_wait
+            while lines < self.limits.batch_lines:
                 try:
                     job = self.jobs.get(timeout=max(stop_at - time.monotonic(), 0))
                 except queue.Empty:
                     break
-                if job is None:
-                    held.append(job)
-                    break
-                (batch if job.key() == first.key() else held).append(job)
+                if job is None or job.key() != first.key() or lines + len(job.lines) > self.limits.batch_lines:
+                    held.append(job)  # another kind of work, the stop mark, or one that would overflow
+                    if job is None or lines + len(job.lines) > self.limits.batch_lines:
+                        break
+                    continue
+                batch.append(job)
+                lines += len(job.lines)
             self._run([j for j in batch if self._alive(j)])
 
     def _alive(self, job: Job) -> bool:
@@ -143,11 +152,15 @@ class Batcher:
             else:
                 targets = [t for j in batch for t in j.options["targets"]]
                 results = self.translator.score(lines, targets)
-        except Exception as e:  # noqa: BLE001  a bad batch fails its requests, not the server
-            log.exception("batch of %d lines failed", len(lines))
-            for j in batch:
-                j.finish(error=e)
-                self._done(j)
+        except Exception as e:  # noqa: BLE001  a bad request fails itself, not the others or the server
+            if len(batch) > 1:  # find the culprit: each request alone
+                for j in batch:
+                    self._run([j])
+                return
+            if not isinstance(e, UserError):
+                log.exception("a request of %d lines failed", len(lines))
+            batch[0].finish(error=e)
+            self._done(batch[0])
             return
         with self.lock:
             self.stats["batches"] += 1
@@ -169,7 +182,7 @@ class Batcher:
 def parse_translate(body: dict[str, Any], limits: Limits, default_beam: int) -> tuple[list[str], dict[str, Any]]:
     """The lines and translate() options of a /translate body; Refused(400/413) when they are wrong."""
     text = _text_list(body, "text", limits)
-    beam = _integer(body, "beam", default_beam, 1, 64)
+    beam = _integer(body, "beam", default_beam, 1, max(64, default_beam))
     nbest = _integer(body, "nbest", 1, 1, beam)
     flags = {}
     for key in ("alignment", "attention"):
@@ -298,6 +311,9 @@ def create_app(translator: Translator, limits: Limits = Limits()) -> Any:
     async def refused(request: Request, exc: Refused) -> Response:
         return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers)
 
+    async def bad_input(request: Request, exc: UserError) -> Response:  # e.g. a target too long to score
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         batcher.start()
@@ -306,10 +322,10 @@ def create_app(translator: Translator, limits: Limits = Limits()) -> Any:
 
     info = model_info(translator)
     routes = [Route("/", lambda r: HTMLResponse(PAGE.read_text(encoding="utf-8"))),
-              Route("/health", lambda r: JSONResponse({"status": "ok", **batcher.stats})),
+              Route("/health", lambda r: JSONResponse({"status": "ok", **batcher.snapshot()})),
               Route("/info", lambda r: JSONResponse(info)),
               Route("/translate", translate, methods=["POST"]), Route("/score", score, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={Refused: refused}, lifespan=lifespan)
+    return Starlette(routes=routes, exception_handlers={Refused: refused, UserError: bad_input}, lifespan=lifespan)
 
 
 def serve(translator: Translator, *, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits()) -> None:

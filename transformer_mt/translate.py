@@ -129,7 +129,7 @@ class Translator:
         src_ids = self.tokenizer.encode_src([s.strip() for s in sources])
         tgt_ids = self.tokenizer.encode_tgt([t.strip() for t in targets])
         limit = self.model.cfg.max_positions - 1
-        src_ids = [s[:limit] for s in src_ids]  # as translate does (it warns)
+        src_ids = [s[:limit] for s in src_ids]  # as translate does
         too_long = [i for i, t in enumerate(tgt_ids) if len(t) > limit]
         if too_long:
             raise DataError(f"target {too_long[0] + 1} has {len(tgt_ids[too_long[0]])} pieces; this model scores "
