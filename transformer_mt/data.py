@@ -363,7 +363,7 @@ def load_tokenized(cfg: DataConfig, split: str, tokenizer: Tokenizer, cache_dir:
         return TokenizedCorpus.load(folder)
     n = 0
     with _CorpusWriter(folder) as writer:
-        for chunk in _chunks(iter_split(cfg, split), chunk_size):
+        for chunk in chunks(iter_split(cfg, split), chunk_size):
             src_ids = tokenizer.encode_src([s for s, _ in chunk])  # SentencePiece encodes on all cores
             tgt_ids = tokenizer.encode_tgt([t for _, t in chunk])
             writer.add(*_flatten(src_ids), *_flatten(tgt_ids))
@@ -373,7 +373,8 @@ def load_tokenized(cfg: DataConfig, split: str, tokenizer: Tokenizer, cache_dir:
     return TokenizedCorpus.load(folder)
 
 
-def _chunks(items: Iterable, size: int) -> Iterator[list]:
+def chunks(items: Iterable, size: int) -> Iterator[list]:
+    """Lists of `size` items (the last one shorter), pulled from `items` as needed."""
     it = iter(items)
     while chunk := list(itertools.islice(it, size)):
         yield chunk

@@ -14,7 +14,7 @@ import torch
 
 from .checkpoint import CheckpointError, load_for_inference, resolve_checkpoint
 from .config import Config, ConfigError, DecodeConfig
-from .data import DataError
+from .data import DataError, chunks
 from .model import Ensemble, Transformer
 from .runtime import inference_model, pick_device
 from .search import Hypothesis, Sampling, score_ids, translate_ids
@@ -119,7 +119,7 @@ class Translator:
         translated as soon as it arrives, for interactive use.
         """
         generator = sampling.generator(self.device) if sampling is not None else None
-        for buf in _chunks(lines, chunk):
+        for buf in chunks((_line(x) for x in lines), chunk):
             yield from zip(buf, self.translate(buf, sampling=sampling, generator=generator, **options))
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
@@ -139,7 +139,7 @@ class Translator:
                 for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)]
 
     def score_stream(self, pairs: Iterable[tuple[str, str]], *, chunk: int = 2000) -> Iterator[Scored]:
-        for buf in _chunks(pairs, chunk):
+        for buf in chunks(pairs, chunk):
             yield from self.score([s for s, _ in buf], [t for _, t in buf])
 
     def _translation(self, h: Hypothesis) -> Translation:
@@ -197,19 +197,10 @@ def words_of(pieces: list[str]) -> list[str]:
     return [w.lstrip("\u2581") for w in words]
 
 
-def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """Lists of `size` items; text lines lose their "\\n" (and a CRLF's "\\r"), nothing else."""
-    buf: list[Any] = []
-    for item in items:
-        if isinstance(item, str):
-            item = item[:-1] if item.endswith("\n") else item
-            item = item[:-1] if item.endswith("\r") else item
-        buf.append(item)
-        if len(buf) == size:
-            yield buf
-            buf = []
-    if buf:
-        yield buf
+def _line(text: str) -> str:
+    """A line without its "\\n" (and a CRLF's "\\r"); lines end at "\\n" only."""
+    text = text[:-1] if text.endswith("\n") else text
+    return text[:-1] if text.endswith("\r") else text
 
 
 def load_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.PathLike]] = None, *,
