@@ -87,3 +87,21 @@ def test_two_process_run_resumed_equals_one_never_stopped(tmp_path):
     assert a["train_state"]["epoch"] == b["train_state"]["epoch"] >= 2  # the resume crossed an epoch boundary
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0)
+
+
+def test_training_leaves_the_process_group_so_gloo_threads_do_not_abort_at_exit(tmp_path):
+    # A rank that exits with the group alive can die in gloo's teardown ("terminate called without an
+    # active exception", SIGABRT: pytorch/pytorch#190489). A one-rank gloo group stands in for torchrun here.
+    import torch.distributed as dist
+    from transformer_mt.config import load_config
+    from transformer_mt.train import train
+
+    cfg = write_setup(tmp_path, "one")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        summary = train(load_config(cfg, ["train.max_steps=2"]))
+        assert summary["steps"] == 2 and summary["rank"] == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

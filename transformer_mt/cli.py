@@ -221,6 +221,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingInterrupted as e:
         print(f"tmt: {e}", file=sys.stderr)
         return e.exit_code
+    if summary.get("rank", 0) != 0:
+        return 0  # under torchrun, rank 0 speaks for the run
     print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best validation "
           f"{summary['best_score']:.2f} at step {summary['best_step']}; run directory {summary['run_dir']}",
           file=sys.stderr)

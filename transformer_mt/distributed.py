@@ -42,6 +42,17 @@ def init_distributed(device: str) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def leave_distributed(clean: bool) -> None:
+    """Leave the process group before the interpreter exits. Exiting with gloo's threads still alive
+    aborts a rank ("terminate called without an active exception"); after a clean run the ranks
+    first wait for each other, so none tears down while another still talks to it."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def rank_device(d: Dist, device: torch.device) -> torch.device:
     """Under DDP on GPUs, each process takes the GPU of its local rank."""
     if device.type == "cuda" and d.world > 1:

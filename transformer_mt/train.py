@@ -31,8 +31,8 @@ from .checkpoint import (CheckpointError, average_checkpoints, restore_training,
 from .config import Config, DecodeConfig, TrainConfig, save_config
 from .data import (Batch, DataError, TokenizedCorpus, cache_dir, collate, iter_split, load_tokenized, make_batches,
                    read_split, usable_indices)
-from .distributed import (Dist, agree, gathered_rng, global_sum, init_distributed, rank_device, rank_zero_first,
-                          restore_rng)
+from .distributed import (Dist, agree, gathered_rng, global_sum, init_distributed, leave_distributed, rank_device,
+                          rank_zero_first, restore_rng)
 from .errors import UserError
 from .metrics import score
 from .model import Transformer
@@ -392,7 +392,8 @@ class Trainer:
         self.writer.close()
         return {"steps": self.state.step, "epochs": self.state.epoch, "minutes": round(self.minutes(), 2),
                 "best_score": self.state.best_score, "best_step": self.state.best_step,
-                "target_tokens": self.state.target_tokens, "stopped": reason, "run_dir": str(self.run_dir)}
+                "target_tokens": self.state.target_tokens, "stopped": reason, "run_dir": str(self.run_dir),
+                "rank": self.dist.rank}
 
     def minutes(self) -> float:
         """Training wall-clock so far (set-up included), summed over resumed runs."""
@@ -553,5 +554,12 @@ class TrainingDiverged(UserError):
 
 
 def train(cfg: Config, resume: Optional[str | Path | bool] = None) -> dict[str, Any]:
-    """Train a model as the config says; the run directory is cfg.output_dir."""
-    return Trainer(cfg, resume).train()
+    """Train a model as the config says; the run directory is cfg.output_dir. Under torchrun the
+    process group is left on the way out, also on errors and interruptions."""
+    clean = False
+    try:
+        summary = Trainer(cfg, resume).train()
+        clean = True
+        return summary
+    finally:
+        leave_distributed(clean)
