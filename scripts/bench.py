@@ -20,7 +20,6 @@ import json
 import math
 import os
 import platform
-import re
 import resource
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import replace_section  # noqa: E402
+from benchlib import cpu_model, replace_section  # noqa: E402
 from transformer_mt.config import config_from_dict  # noqa: E402
 from transformer_mt.data import Batch, collate, make_batches  # noqa: E402
 from transformer_mt.runtime import DTYPES, matmul_gflops  # noqa: E402
@@ -218,42 +217,27 @@ def peers_ready() -> bool:
 
 
 def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
-    """Beam-4 decoding of test_2016_flickr by ours and fairseq-generate, each with its model trained for the same
-    budget by `make bench-quality`, interleaved `rounds` times; medians of sentences/s."""
-    ours_run = ROOT / "runs" / f"budget_{minutes}min"
-    fs_ckpt = PEERS_DIR / "runs" / f"fairseq_budget_{minutes}min" / "checkpoints" / "checkpoint_last.pt"
-    if not (ours_run / "checkpoints" / "best.pt").exists() or not fs_ckpt.exists():
+    """Beam-4 decoding of test_2016_flickr by every engine and precision (bench_decode.py) and by
+    fairseq-generate, interleaved `rounds` times, same 64-sentence batches, 2 threads; medians. Ours decodes the
+    model `make bench-quality` trained for `minutes` (else the recipe's run), fairseq its budget model."""
+    from bench_decode import decode_engines
+
+    ours = ROOT / "runs" / f"budget_{minutes}min"
+    if not (ours / "checkpoints" / "best.pt").exists():
+        ours = ROOT / "runs" / "multi30k_en_de"
+    if not (ours / "checkpoints" / "best.pt").exists():
         return None
-    # ours in the run's precision (bf16), ours in fp32 (what decoding in bf16 gains and costs), fairseq (fp32)
-    ours = {"transformer-mt": [], "transformer-mt fp32": ["--precision", "fp32"]}
-    speeds: dict[str, list[float]] = {name: [] for name in [*ours, "fairseq"]}
-    scores: dict[str, dict] = {}
-    for r in range(rounds):
-        for name, extra in ours.items():
-            log(f"decoding round {r + 1}/{rounds}: {name}")
-            try:
-                o = evaluate_test(ours_run, "--beam", "4", "--alpha", "1.0", "--max-len", "0", "200", *extra)
-            except subprocess.CalledProcessError as e:
-                log(f"ours failed to decode: {e.stderr.strip()[-300:]}")
-                return None
-            speeds[name].append(o["sentences_per_second"])
-            scores[name] = {"bleu": o["bleu"], "signature": o["bleu_signature"], "precision": o["precision"]}
-        log(f"decoding round {r + 1}/{rounds}: fairseq")
-        f = run_peer("decode_speed.sh", "fairseq", str(fs_ckpt), "64")
-        if not f:
-            return None
-        speeds["fairseq"].append(float(f["decode_sent_per_s"]))
-        scores["fairseq"] = {"bleu": float(f["bleu"]), "signature": f.get("signature", ""), "precision": "fp32"}
-        joey_ckpt = PEERS_DIR / "runs" / f"joey_budget_{minutes}min" / "model" / "latest.ckpt"
-        if r == 0 and joey_ckpt.exists():  # JoeyNMT re-decodes the whole prefix at every step: one run is minutes
-            log("decoding round 1: joey (once)")
-            j = run_peer("decode_speed.sh", "joey", str(joey_ckpt), "64")
-            if j:
-                speeds["joey"] = [float(j["decode_sent_per_s"])]
-                scores["joey"] = {"bleu": float(j["bleu"]), "signature": j.get("signature", ""), "precision": "fp32"}
-    fs = speeds["fairseq"]
-    return {name: {"sent_s": statistics.median(v), "runs": v, **scores[name],
-                   "round_ratios": [round(a / b, 2) for a, b in zip(v, fs)]} for name, v in speeds.items()}
+    fs_ckpt = PEERS_DIR / "runs" / f"fairseq_budget_{minutes}min" / "checkpoints" / "checkpoint_last.pt"
+    fairseq = (lambda: run_peer("decode_speed.sh", "fairseq", str(fs_ckpt), "64")) if fs_ckpt.exists() else None
+    if fairseq is None:
+        log(f"no fairseq model at {fs_ckpt} (make bench-quality trains it): decoding without fairseq-generate")
+    test = MULTI30K / "test_2016_flickr"
+    d = decode_engines(ours / "checkpoints" / "best.pt", Path(f"{test}.en.gz"), Path(f"{test}.de.gz"), rounds, log,
+                       batch=64, threads=2, fairseq=fairseq)
+    for v in d.values():
+        v["model"] = str(fs_ckpt.relative_to(ROOT)) if v["engine"] == "fairseq-generate" else \
+            str((ours / "checkpoints" / "best.pt").relative_to(ROOT))
+    return d
 
 
 # --------------------------------------------------------------------------- scaling
@@ -353,29 +337,36 @@ def write_report(res: dict, path: Path) -> None:
     lines += ["", "The cost per step stays flat as the output grows: each step attends over cached keys and "
               "values instead of re-running the prefix.", ""]
     if res.get("decoding"):
-        d = res["decoding"]
-        lines += ["### Beam-4 decoding of test_2016_flickr (1,000 sentences)", "",
-                  f"Each toolkit's model trained for the same {res['decoding_minutes']}-minute budget "
-                  "(`make bench-quality`); beam 4, length penalty 1.0, at most 200 output tokens; ours batches by "
-                  "source tokens (`decode.max_tokens`), fairseq-generate by 64 sentences (`decode_speed.sh`). "
-                  f"Median of {len(d['fairseq']['runs'])} interleaved runs"
-                  f"{' on ' + res['decoding_date'] if res.get('decoding_date') else ''}; model loading excluded. "
-                  + ("JoeyNMT (batches of 64 sentences) decodes once, in the first round, with the model of "
-                     f"`bash ../shared/peers/budget.sh joey {res['decoding_minutes']}`." if "joey" in d else ""), "",
-                  "| contender | precision | sentences/s | runs | × fairseq | × JoeyNMT | × fairseq, round by round | "
-                  "BLEU | signature |",
-                  "| --- | --- | ---: | --- | ---: | ---: | --- | ---: | --- |"]
-        joey = d.get("joey", {}).get("sent_s")
-        for name, v in d.items():
-            lines.append(f"| {name} | {v.get('precision', '')} | {v['sent_s']:.1f} | "
-                         f"{', '.join(f'{x:.1f}' for x in v['runs'])} | {_ratio(v['sent_s'], d['fairseq']['sent_s'])} | "
-                         f"{_ratio(v['sent_s'], joey)} | "
-                         f"{', '.join(f'{x:.2f}' for x in v.get('round_ratios', []))} | {v.get('bleu', '')} | "
-                         f"`{v.get('signature', '')}` |")
-        lines.append("")
+        lines += decoding_table(res)
     for note in res.get("notes", []):
         lines.append(f"- {note}")
     replace_section(path, "speed", "\n".join(lines))
+
+
+def decoding_table(res: dict) -> list[str]:
+    """The engines-and-precisions decoding table (issue 15) and what its figures say."""
+    from bench_decode import conclusions
+
+    d = res["decoding"]
+    fs, ct2 = d.get("fairseq", {}).get("sent_s"), d.get("ctranslate2 int8", {}).get("sent_s")
+    rounds = max(len(v["runs"]) for v in d.values())
+    lines = ["### Beam-4 decoding of test_2016_flickr (1,000 sentences), every engine and precision", "",
+             f"Median of {rounds} interleaved rounds{' on ' + res['decoding_date'] if res.get('decoding_date') else ''}"
+             f" on {res.get('decoding_cpu', 'this CPU')}: every contender decodes the same batches (the "
+             "sources sorted by length, 64 sentences a batch, as fairseq-generate's --batch-size 64), 2 threads, "
+             "beam 4, at most 200 output tokens, model loading excluded; each run is its own process (peak RSS its "
+             "own). Length penalty 1.0 by each toolkit's formula: GNMT ((5 + |Y|) / 6)^α for ours and for "
+             "CTranslate2 through tmt (which re-ranks CTranslate2's finished hypotheses with it), |Y|^α for fairseq.",
+             "", "| contender | engine | precision | sentences/s | runs | × fairseq | × CTranslate2 int8 | peak RSS MB | "
+             "BLEU | model | signature |", "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for name, v in d.items():
+        lines.append(f"| {name} | {v.get('engine', '')} | {v.get('precision', '')} | {v['sent_s']:.1f} | "
+                     f"{', '.join(f'{x:.1f}' for x in v['runs'])} | {_ratio(v['sent_s'], fs)} | {_ratio(v['sent_s'], ct2)} | "
+                     f"{v.get('peak_rss_mb', '')} | {v.get('bleu', '')} | `{v.get('model', '')}` | `{v.get('signature', '')}` |")
+    if fs is None:
+        lines += ["", "fairseq-generate did not run: no fairseq model of the same budget was there "
+                      "(`make bench-quality` trains one)."]
+    return lines + [""] + [f"- {c}" for c in conclusions(d)] + [""]
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -408,6 +399,7 @@ def main() -> int:
         res = json.loads(Path(args.json).read_text())
         res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
         res["decoding_minutes"], res["decoding_date"] = args.decode_minutes, time.strftime("%Y-%m-%d %H:%M")
+        res["decoding_cpu"] = cpu_model()
         Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
         write_report(res, Path(args.out))
         return 0
@@ -479,7 +471,7 @@ def main() -> int:
         if peers:
             log("beam-4 decoding side by side (models from make bench-quality)")
             res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
-            res["decoding_minutes"] = args.decode_minutes
+            res["decoding_minutes"], res["decoding_cpu"] = args.decode_minutes, cpu_model()
             if res["decoding"] is None:
                 res["notes"].append(f"decoding not compared: run `make bench-quality` first (it trains ours and "
                                     f"fairseq for {args.decode_minutes} minutes each)")

@@ -14,7 +14,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import replace_section  # noqa: E402
+from benchlib import cpu_model, replace_section  # noqa: E402
 from transformer_mt.data import read_lines  # noqa: E402
 
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
@@ -41,14 +40,6 @@ def model_and_sentences(n: int) -> tuple[Path, list[str]]:
     if (ROOT / "runs" / "demo" / "checkpoints" / "best.pt").is_file():
         return ROOT / "runs" / "demo", read_lines(ROOT / "data" / "demo" / "test.en")[:n]
     sys.exit("bench_serve: no model: run `make demo` (or `make bench-quality`) first")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def post(url: str, line: str) -> tuple[int, float]:

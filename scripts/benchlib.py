@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import platform
 import re
+import subprocess
 from pathlib import Path
 
 HEADER = "# Benchmarks\n\nEvery figure here is written by `make bench` / `make bench-quality` from a run; none is typed by hand.\n"
@@ -16,3 +18,11 @@ def replace_section(path: Path, name: str, text: str) -> None:
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.S)
     doc = pattern.sub(lambda _: block, doc) if pattern.search(doc) else doc.rstrip() + "\n\n" + block
     path.write_text(doc, encoding="utf-8")
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"

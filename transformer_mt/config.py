@@ -157,6 +157,10 @@ class TrainConfig:
                f"must be two numbers in [0, 1), got {list(self.adam_betas)}")
 
 
+# How `tmt export` can store a CTranslate2 model's weights (CTranslate2's own names).
+QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")
+
+
 @dataclass
 class DecodeConfig:
     """Search settings for translate/evaluate (section `decode`)."""

@@ -9,14 +9,14 @@ from typing import Any, Optional, Sequence
 
 from .data import DataError, read_lines, read_split
 from .metrics import ASIAN, compare, paper_bleu, score
-from .translate import Translator, load_translator
+from .translate import BaseTranslator, load_translator
 
 
 def evaluate(checkpoint: Optional[str | Sequence[str]] = None, *, src: Optional[str] = None,
              ref: Optional[str | Sequence[str]] = None, beam: Optional[int] = None, alpha: Optional[float] = None,
              max_len: Optional[tuple[float, float]] = None, device: str = "auto", precision: Optional[str] = None,
              output: Optional[str] = None, others: Sequence[str] = (), paired_ar: bool = False,
-             confidence: bool = False, tokenize: Optional[str] = None) -> dict[str, Any]:
+             confidence: bool = False, tokenize: Optional[str] = None, engine: str = "torch") -> dict[str, Any]:
     """Translate the run's test split (or --src) and score it against its references (or --ref, one or more).
 
     The hypotheses are written next to the checkpoint; the result dict includes their path. `others` are
@@ -27,7 +27,7 @@ def evaluate(checkpoint: Optional[str | Sequence[str]] = None, *, src: Optional[
     if (src is None) != (not refs):
         raise DataError("give both --src and --ref, or neither (to use the run's test split)")
     translator = load_translator(checkpoint, device=device, precision=precision, beam=beam, alpha=alpha,
-                                 max_len=max_len)
+                                 max_len=max_len, engine=engine)
     sources, references, name = _test_set(translator, src, refs)
     d, path = translator.decode, translator.checkpoint
     start = time.perf_counter()
@@ -41,7 +41,8 @@ def evaluate(checkpoint: Optional[str | Sequence[str]] = None, *, src: Optional[
         result.update(paper_bleu(hyps, references, lang))
     result.update(checkpoint=str(path), step=translator.step, beam=d.beam, alpha=d.alpha, sentences=len(hyps),
                   decode_seconds=round(seconds, 2), sentences_per_second=round(len(hyps) / max(seconds, 1e-9), 1),
-                  max_len=[d.max_len_a, d.max_len_b], precision=translator.precision, hypotheses_path=str(hyp_path),
+                  max_len=[d.max_len_a, d.max_len_b], precision=translator.precision, engine=translator.engine,
+                  hypotheses_path=str(hyp_path),
                   references=len(references))
     if others:
         systems = [(str(path), hyps)] + [(o, _hypotheses_of(o, sources, translator, device, precision)) for o in others]
@@ -50,7 +51,7 @@ def evaluate(checkpoint: Optional[str | Sequence[str]] = None, *, src: Optional[
     return result
 
 
-def _test_set(translator: Translator, src: Optional[str], refs: list[str]) -> tuple[list[str], list[list[str]], str]:
+def _test_set(translator: BaseTranslator, src: Optional[str], refs: list[str]) -> tuple[list[str], list[list[str]], str]:
     """Sources, one or more reference streams, and a name for the hypothesis file."""
     if src is None:
         sources, references = read_split(translator.config.data, "test")
@@ -63,14 +64,14 @@ def _test_set(translator: Translator, src: Optional[str], refs: list[str]) -> tu
     return sources, streams, Path(src).name.removesuffix(".gz")
 
 
-def _hypotheses_of(other: str, sources: list[str], translator: Translator, device: str,
+def _hypotheses_of(other: str, sources: list[str], translator: BaseTranslator, device: str,
                    precision: Optional[str]) -> list[str]:
     """Another system's output: a hypothesis file as it is, or a checkpoint/run translated like ours."""
     path = Path(other)
     if path.is_dir() or path.suffix == ".pt":
         d = translator.decode
         return load_translator(other, device=device, precision=precision, beam=d.beam, alpha=d.alpha,
-                               max_len=(d.max_len_a, d.max_len_b)).translate_text(sources)
+                               max_len=(d.max_len_a, d.max_len_b), engine=translator.engine).translate_text(sources)
     lines = read_lines(path)
     if len(lines) != len(sources):
         raise DataError(f"--compare {other} has {len(lines)} lines but the test set has {len(sources)}")

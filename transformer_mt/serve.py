@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from .errors import UserError
 
 if TYPE_CHECKING:  # imported late below: `tmt --help` builds this command's flags without loading torch
-    from .translate import Translation, Translator
+    from .translate import BaseTranslator, Translation
 
 log = logging.getLogger("transformer_mt")
 PAGE = Path(__file__).parent / "static" / "index.html"
@@ -86,7 +86,7 @@ class Job:
 class Batcher:
     """The bounded queue and the one worker thread that runs the model."""
 
-    translator: Translator
+    translator: BaseTranslator
     limits: Limits
     jobs: "queue.Queue[Optional[Job]]" = field(default_factory=queue.Queue)
     stats: dict[str, int] = field(default_factory=lambda: {"served": 0, "dropped": 0, "batches": 0, "pending": 0})
@@ -226,11 +226,11 @@ def translation_json(source: str, hyps: list[Translation], attention: bool, alig
     return {"source": source, "hypotheses": out}
 
 
-def model_info(translator: Translator) -> dict[str, Any]:
+def model_info(translator: BaseTranslator) -> dict[str, Any]:
     cfg = translator.config
     return {"checkpoint": str(translator.checkpoint), "step": translator.step,
             "source_language": cfg.data.src_lang, "target_language": cfg.data.tgt_lang,
-            "model": cfg.to_dict()["model"], "parameters": sum(p.numel() for p in translator.model.parameters()),
+            "model": cfg.to_dict()["model"], "parameters": translator.parameters, "engine": translator.engine,
             "tokenizer": {"digest": translator.tokenizer.digest, "joint": translator.tokenizer.joint,
                           "source_vocabulary": translator.tokenizer.src_vocab_size,
                           "target_vocabulary": translator.tokenizer.tgt_vocab_size},
@@ -281,7 +281,7 @@ async def read_json(request: Any, limits: Limits) -> dict[str, Any]:
     return body
 
 
-def create_app(translator: Translator, limits: Limits = Limits()) -> Any:
+def create_app(translator: BaseTranslator, limits: Limits = Limits()) -> Any:
     """The Starlette application: the page, the JSON API, and the batcher's life."""
     import contextlib
 
@@ -328,7 +328,7 @@ def create_app(translator: Translator, limits: Limits = Limits()) -> Any:
     return Starlette(routes=routes, exception_handlers={Refused: refused, UserError: bad_input}, lifespan=lifespan)
 
 
-def serve(translator: Translator, *, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits()) -> None:
+def serve(translator: BaseTranslator, *, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits()) -> None:
     """Run until SIGINT/SIGTERM: uvicorn then stops accepting, finishes what is in flight, and returns."""
     import uvicorn
 

@@ -15,6 +15,7 @@ import torch
 from .checkpoint import CheckpointError, load_for_inference, resolve_checkpoint
 from .config import Config, ConfigError, DecodeConfig
 from .data import DataError, chunks
+from .export import is_export
 from .model import Ensemble, Transformer
 from .runtime import inference_model, pick_device
 from .search import Hypothesis, Sampling, score_ids, translate_ids
@@ -64,9 +65,10 @@ class Scored:
         return dataclasses.asdict(self)
 
 
-class Translator:
-    """Translates and scores sentences with a trained model (or an `Ensemble`); the `*_stream` methods
-    keep memory bounded on inputs of any length.
+class BaseTranslator:
+    """What every engine offers on top of its `translate` and `score`: one line per line, streams in
+    bounded memory, and the checks on inputs. Engines: `Translator` (ours, PyTorch) and
+    `ct2.CT2Translator` (a CTranslate2 export).
 
     From `load_translator` it also knows where it came from: `checkpoint` (path of the first model),
     `config` (its run's) and `step`; built around a model in memory (validation, tests), those are None.
@@ -75,36 +77,19 @@ class Translator:
     checkpoint: Optional[Path] = None
     config: Optional[Config] = None
     step: Optional[int] = None
+    engine = "torch"
+    tokenizer: Tokenizer
+    decode: DecodeConfig
+    device: Any
+    precision: str
+    max_positions: int
+    parameters: int  # number of model parameters (tied matrices once)
 
-    def __init__(self, model: Transformer | Ensemble, tokenizer: Tokenizer, decode: DecodeConfig,
-                 device: Optional[torch.device] = None, precision: str = "fp32"):
-        """precision: the run's train.precision; bf16 and fp16 runs decode with a copy of the model in that
-        dtype (runtime.inference_model), and the caller's model is left as it is."""
-        self.tokenizer, self.decode = tokenizer, decode
-        self.device = device or next(model.parameters()).device
-        self.model, self.precision = inference_model(model, precision, self.device)
+    def translate(self, lines: Sequence[str], **options: Any) -> list[list[Translation]]:
+        raise NotImplementedError
 
-    def translate(self, lines: Sequence[str], *, beam: Optional[int] = None, nbest: int = 1,
-                  attention: bool = False, alignment: bool = False, sampling: Optional[Sampling] = None,
-                  generator: Optional[torch.Generator] = None) -> list[list[Translation]]:
-        """The `nbest` best translations of each line, best first (one per line when sampling).
-
-        attention: add the cross-attention of each translation; alignment: add its word alignment (from
-        that attention). An empty line gives one empty translation. `generator` carries a sampling seed
-        across calls (translate_stream passes one); by default `sampling.seed` seeds each call.
-        """
-        beam = beam or self.decode.beam
-        if nbest > beam and sampling is None:
-            raise ConfigError(f"--nbest {nbest} is more than the beam ({beam}): beam search keeps {beam} hypotheses")
-        if sampling is not None and generator is None:
-            generator = sampling.generator(self.device)
-        ids = self.tokenizer.encode_src([line.strip() for line in lines])
-        found = translate_ids(self.model, ids, self.decode, beam=beam, nbest=nbest, sampling=sampling,
-                              generator=generator)
-        out = [[self._translation(h) for h in hyps] for hyps in found]
-        if attention or alignment:
-            self._add_attention(ids, out, lines)
-        return out
+    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
+        raise NotImplementedError
 
     def translate_text(self, lines: Sequence[str], *, beam: Optional[int] = None) -> list[str]:
         """One output line per input line (the best translation), in input order."""
@@ -118,29 +103,80 @@ class Translator:
         A line ends at "\\n" only (a trailing "\\r" of a CRLF file is dropped); with chunk=1 each line is
         translated as soon as it arrives, for interactive use.
         """
-        generator = sampling.generator(self.device) if sampling is not None else None
+        generator = self._stream_generator(sampling) if sampling is not None else None
         for buf in chunks((_line(x) for x in lines), chunk):
             yield from zip(buf, self.translate(buf, sampling=sampling, generator=generator, **options))
-
-    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
-        """Forced decoding: log P(target | source) of each pair, with per-token log-probabilities."""
-        if len(sources) != len(targets):
-            raise DataError(f"{len(sources)} sources but {len(targets)} targets: they must pair up line by line")
-        src_ids = self.tokenizer.encode_src([s.strip() for s in sources])
-        tgt_ids = self.tokenizer.encode_tgt([t.strip() for t in targets])
-        limit = self.model.cfg.max_positions - 1
-        src_ids = [s[:limit] for s in src_ids]  # as translate does
-        too_long = [i for i, t in enumerate(tgt_ids) if len(t) > limit]
-        if too_long:
-            raise DataError(f"target {too_long[0] + 1} has {len(tgt_ids[too_long[0]])} pieces; this model scores "
-                            f"at most model.max_positions - 1 = {limit}")
-        logps = score_ids(self.model, src_ids, tgt_ids, self.decode.max_src_tokens)
-        return [Scored(s, t, sum(lp), self.tokenizer.tgt.id_to_piece(ids), lp)
-                for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)]
 
     def score_stream(self, pairs: Iterable[tuple[str, str]], *, chunk: int = 2000) -> Iterator[Scored]:
         for buf in chunks(pairs, chunk):
             yield from self.score([s for s, _ in buf], [t for _, t in buf])
+
+    def _stream_generator(self, sampling: Sampling) -> torch.Generator:
+        """The random generator a whole sampled stream draws from (seeded once)."""
+        return sampling.generator(self.device)
+
+    def _beam(self, beam: Optional[int], nbest: int, sampling: Optional[Sampling]) -> int:
+        beam = beam or self.decode.beam
+        if nbest > beam and sampling is None:
+            raise ConfigError(f"--nbest {nbest} is more than the beam ({beam}): beam search keeps {beam} hypotheses")
+        return beam
+
+    def _encode_pairs(self, sources: Sequence[str], targets: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """Pieces ids of (source, target) pairs to score: sources truncated as translate truncates them,
+        targets refused when longer than the model's positions."""
+        if len(sources) != len(targets):
+            raise DataError(f"{len(sources)} sources but {len(targets)} targets: they must pair up line by line")
+        src_ids = self.tokenizer.encode_src([s.strip() for s in sources])
+        tgt_ids = self.tokenizer.encode_tgt([t.strip() for t in targets])
+        limit = self.max_positions - 1
+        too_long = [i for i, t in enumerate(tgt_ids) if len(t) > limit]
+        if too_long:
+            raise DataError(f"target {too_long[0] + 1} has {len(tgt_ids[too_long[0]])} pieces; this model scores "
+                            f"at most model.max_positions - 1 = {limit}")
+        return [s[:limit] for s in src_ids], tgt_ids
+
+
+class Translator(BaseTranslator):
+    """Translates and scores sentences with a trained model (or an `Ensemble`) in PyTorch: n-best, scores,
+    attention, alignment and sampling."""
+
+    def __init__(self, model: Transformer | Ensemble, tokenizer: Tokenizer, decode: DecodeConfig,
+                 device: Optional[torch.device] = None, precision: str = "fp32"):
+        """precision: the run's train.precision; bf16 and fp16 runs decode with a copy of the model in that
+        dtype, int8 with its linear layers quantized (runtime.inference_model); the caller's model is left
+        as it is."""
+        self.tokenizer, self.decode = tokenizer, decode
+        self.device = device or next(model.parameters()).device
+        self.parameters = sum(p.numel() for p in model.parameters())  # tied matrices once
+        self.model, self.precision = inference_model(model, precision, self.device)
+        self.max_positions = model.cfg.max_positions
+
+    def translate(self, lines: Sequence[str], *, beam: Optional[int] = None, nbest: int = 1,
+                  attention: bool = False, alignment: bool = False, sampling: Optional[Sampling] = None,
+                  generator: Optional[torch.Generator] = None) -> list[list[Translation]]:
+        """The `nbest` best translations of each line, best first (one per line when sampling).
+
+        attention: add the cross-attention of each translation; alignment: add its word alignment (from
+        that attention). An empty line gives one empty translation. `generator` carries a sampling seed
+        across calls (translate_stream passes one); by default `sampling.seed` seeds each call.
+        """
+        beam = self._beam(beam, nbest, sampling)
+        if sampling is not None and generator is None:
+            generator = sampling.generator(self.device)
+        ids = self.tokenizer.encode_src([line.strip() for line in lines])
+        found = translate_ids(self.model, ids, self.decode, beam=beam, nbest=nbest, sampling=sampling,
+                              generator=generator)
+        out = [[self._translation(h) for h in hyps] for hyps in found]
+        if attention or alignment:
+            self._add_attention(ids, out, lines)
+        return out
+
+    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
+        """Forced decoding: log P(target | source) of each pair, with per-token log-probabilities."""
+        src_ids, tgt_ids = self._encode_pairs(sources, targets)
+        logps = score_ids(self.model, src_ids, tgt_ids, self.decode.max_src_tokens)
+        return [Scored(s, t, sum(lp), self.tokenizer.tgt.id_to_piece(ids), lp)
+                for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)]
 
     def _translation(self, h: Hypothesis) -> Translation:
         return Translation(self.tokenizer.decode_tgt([h.tokens])[0], self.tokenizer.tgt.id_to_piece(h.tokens),
@@ -205,13 +241,29 @@ def _line(text: str) -> str:
 
 def load_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.PathLike]] = None, *,
                     device: str = "auto", precision: Optional[str] = None, beam: Optional[int] = None,
-                    alpha: Optional[float] = None, max_len: Optional[Sequence[float]] = None) -> Translator:
+                    alpha: Optional[float] = None, max_len: Optional[Sequence[float]] = None,
+                    engine: str = "torch") -> BaseTranslator:
     """A Translator for a checkpoint file or run directory (None: the newest run under ./runs/); several
     checkpoints decode as an ensemble (they must share one SentencePiece model).
 
-    precision defaults to the run's train.precision; beam, alpha and max_len (A, B: output at most
-    A x source length + B tokens) override the run's decode settings.
+    precision defaults to the run's train.precision (int8: the linear layers quantized, on the CPU);
+    beam, alpha and max_len (A, B: output at most A x source length + B tokens) override the run's decode
+    settings. engine="ctranslate2" decodes with CTranslate2 instead, from a `tmt export` directory or a
+    checkpoint (exported once, into the run's ct2-cache/).
     """
+    if engine == "ctranslate2":
+        from .ct2 import load_ct2_translator
+
+        return load_ct2_translator(checkpoint, device=device, precision=precision, beam=beam, alpha=alpha,
+                                   max_len=max_len)
+    if engine != "torch":
+        raise ConfigError(f"unknown engine {engine!r}: torch or ctranslate2")
+    for c in [checkpoint] if checkpoint is None or isinstance(checkpoint, (str, os.PathLike)) else checkpoint:
+        if c is not None and is_export(c):
+            raise ConfigError(f"{c} is a CTranslate2 export: decode it with --engine ctranslate2")
+    if precision == "int8" and pick_device(device).type != "cpu":
+        raise ConfigError("--precision int8 (dynamic int8 quantization of the linear layers) runs on the CPU "
+                          "only: add --device cpu, or use bf16/fp16 on the GPU")
     paths = [resolve_checkpoint(c) for c in ([checkpoint] if checkpoint is None or isinstance(checkpoint, (str, os.PathLike))
                                              else checkpoint)]
     target = pick_device(device)
@@ -224,7 +276,7 @@ def load_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.P
     if len(loaded) > 1:
         model = Ensemble([m for m, _, _, _ in loaded])
     cfg.decode = decode_overrides(cfg.decode, beam=beam, alpha=alpha, max_len=max_len)
-    translator = Translator(model, tokenizer, cfg.decode, precision=precision or cfg.train.precision)
+    translator = Translator(model, tokenizer, cfg.decode, device=target, precision=precision or cfg.train.precision)
     translator.checkpoint, translator.config, translator.step = paths[0], cfg, ckpt.get("step")
     return translator
 

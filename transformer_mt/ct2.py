@@ -1,0 +1,180 @@
+"""`--engine ctranslate2`: translate and score with a CTranslate2 export (`tmt export`), through the same
+interface and output formats as our PyTorch engine.
+
+Beam search asks CTranslate2 for the beam's finished hypotheses by log-probability and ranks them with our
+GNMT length penalty (CTranslate2's own penalty divides by |Y|^alpha); each sentence gets our length budget
+(a x |source| + b, its end-of-sentence included), so the two engines search the same space.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .checkpoint import resolve_checkpoint, run_dir_of
+from .config import ConfigError, load_config
+from .export import MANIFEST, ExportError, cached_export, import_ctranslate2, is_export
+from .search import Sampling, length_penalty
+from .tokenizer import Tokenizer
+from .translate import BaseTranslator, Scored, Translation, decode_overrides
+from .vocab import BOS, EOS, PAD
+
+COMPUTE_TYPES = {None: "default", "auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "int8": "int8"}
+
+
+class CT2Translator(BaseTranslator):
+    """A CTranslate2 translator over an export directory; translate() and score() as `Translator`'s
+    (no attention or alignment: those need our engine)."""
+
+    engine = "ctranslate2"
+
+    def __init__(self, directory: str | Path, *, device: str = "auto", precision: Optional[str] = None,
+                 beam: Optional[int] = None, alpha: Optional[float] = None,
+                 max_len: Optional[Sequence[float]] = None, threads: int = 0):
+        """precision: the compute type (fp32, bf16, fp16, int8; default: as the export stores its weights)."""
+        ct2 = import_ctranslate2()
+        self.directory = Path(directory)
+        manifest = json.loads((self.directory / MANIFEST).read_text())
+        self.config = load_config(self.directory / "tmt_config.yaml")
+        self.decode = decode_overrides(self.config.decode, beam=beam, alpha=alpha, max_len=max_len)
+        self.tokenizer = Tokenizer.load(self.directory)
+        self.checkpoint, self.step = self.directory / "model.bin", manifest.get("step")
+        self.max_positions, self.parameters = manifest["max_positions"], manifest.get("parameters", 0)
+        self.device = _device(ct2, device)
+        compute = COMPUTE_TYPES[precision]
+        supported = ct2.get_supported_compute_types(self.device)
+        if compute not in ("default", "auto") and compute not in supported:
+            raise ConfigError(f"--precision {precision}: CTranslate2 on this {self.device} supports "
+                              f"{', '.join(sorted(supported))}")
+        self.precision = manifest["quantization"] if compute == "default" else compute
+        self.model = ct2.Translator(str(self.directory), device=self.device, compute_type=compute,
+                                    inter_threads=1, intra_threads=threads or torch.get_num_threads())
+        self._suppress = [[self.tokenizer.tgt.id_to_piece(PAD)], [self.tokenizer.tgt.id_to_piece(BOS)]]
+
+    def translate(self, lines: Sequence[str], *, beam: Optional[int] = None, nbest: int = 1,
+                  attention: bool = False, alignment: bool = False, sampling: Optional[Sampling] = None,
+                  generator: Optional[torch.Generator] = None, token_scores: bool = True
+                  ) -> list[list[Translation]]:
+        """The `nbest` best translations of each line, best first. token_scores=False leaves
+        token_logprobs empty and skips the scoring pass that computes them."""
+        if attention or alignment:
+            raise ConfigError("attention and alignment need our engine: drop --engine ctranslate2")
+        beam = self._beam(beam, nbest, sampling)
+        if sampling is not None and sampling.seed is not None and generator is None:
+            import_ctranslate2().set_random_seed(sampling.seed)
+        ids = [s[:self.max_positions - 1] for s in self.tokenizer.encode_src([x.strip() for x in lines])]
+        live = [i for i in range(len(ids)) if ids[i]]
+        budgets = [self._budget(len(ids[i])) for i in live]
+        found = dict(zip(live, self._search([ids[i] for i in live], budgets, beam, sampling)))
+        # One scoring pass gives per-token log-probabilities, and the total of hypotheses the budget cut.
+        todo = [(i, k) for i, hyps in found.items() for k, h in enumerate(hyps) if token_scores or h[1] is None]
+        for (i, k), lp in zip(todo, self._score([ids[i] for i, _ in todo], [found[i][k][0] for i, k in todo])):
+            found[i][k] = (found[i][k][0], sum(lp), lp)
+        out = [[Translation("", [], 0.0, 0.0, [])] for _ in lines]
+        for i, hyps in found.items():
+            ranked = sorted((self._translation(p, lp, tl, beam, sampling) for p, lp, tl in hyps), key=lambda t: -t.score)
+            out[i] = ranked[:nbest]
+        return out
+
+    def _stream_generator(self, sampling: Sampling) -> torch.Generator:
+        """A stream seeds CTranslate2 once (translate() then leaves the seed alone)."""
+        if sampling.seed is not None:
+            import_ctranslate2().set_random_seed(sampling.seed)
+        return torch.Generator()
+
+    def translate_text(self, lines: Sequence[str], *, beam: Optional[int] = None) -> list[str]:
+        """One output line per input line, without the scoring pass for per-token log-probabilities."""
+        return [hyps[0].text for hyps in self.translate(lines, beam=beam, token_scores=False)]
+
+    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
+        """Forced decoding by CTranslate2's score_batch: log P(target | source) with per-token log-probabilities."""
+        src_ids, tgt_ids = self._encode_pairs(sources, targets)
+        logps = self._score(src_ids, [self.tokenizer.tgt.id_to_piece(t) for t in tgt_ids])
+        return [Scored(s, t, sum(lp), self.tokenizer.tgt.id_to_piece(ids), lp)
+                for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)]
+
+    # ----------------------------------------------------------------------------------------- internals
+
+    def _budget(self, src_len: int) -> int:
+        """Our search's output budget (search.max_output_len) for a source of src_len pieces plus EOS."""
+        d = self.decode
+        return max(1, min(int(math.floor((src_len + 1) * d.max_len_a + d.max_len_b)), self.max_positions))
+
+    def _search(self, ids: list[list[int]], budgets: list[int], beam: int, sampling: Optional[Sampling]
+                ) -> list[list[tuple[list[str], Optional[float], list[float]]]]:
+        """(pieces, log-probability, []) of each source's hypotheses. One call decodes the batch to its
+        longest budget; a hypothesis past its own sentence's budget is cut there and its log-probability
+        left None (our search forces EOS at the budget: it is rescored with EOS)."""
+        lp = _penalty(self.decode.alpha)
+        options: dict[str, Any] = dict(beam_size=beam, num_hypotheses=beam, length_penalty=lp, return_scores=True,
+                                       return_end_token=True, max_decoding_length=max(budgets, default=1),
+                                       min_decoding_length=0, max_input_length=0, suppress_sequences=self._suppress,
+                                       max_batch_size=max(1, self.decode.max_src_tokens // beam), batch_type="tokens")
+        if sampling is not None:
+            options.update(beam_size=1, num_hypotheses=1, sampling_topk=sampling.topk if sampling.temperature else 1,
+                           sampling_topp=sampling.topp, sampling_temperature=sampling.temperature or 1.0)
+        results = self.model.translate_batch([self.tokenizer.src.id_to_piece(x) for x in ids], **options)
+        eos = self.tokenizer.tgt.id_to_piece(EOS)
+        return [[_hypothesis(h, s, eos, budget, lp) for h, s in zip(r.hypotheses, r.scores)]
+                for r, budget in zip(results, budgets)]
+
+    def _score(self, src_ids: list[list[int]], tgt_pieces: list[list[str]]) -> list[list[float]]:
+        src = [self.tokenizer.src.id_to_piece(x) for x in src_ids]
+        results = self.model.score_batch(src, tgt_pieces, max_batch_size=self.decode.max_src_tokens,
+                                         batch_type="tokens", max_input_length=0)
+        return [list(r.log_probs) for r in results]
+
+    def _translation(self, pieces: list[str], logprob: float, token_logprobs: list[float], beam: int,
+                     sampling: Optional[Sampling]) -> Translation:
+        score = logprob / length_penalty(len(pieces) + 1, self.decode.alpha) if beam > 1 and sampling is None \
+            else logprob
+        text = self.tokenizer.decode_tgt([self.tokenizer.tgt.piece_to_id(list(pieces))])[0]
+        return Translation(text, list(pieces), logprob, score, token_logprobs)
+
+
+def _penalty(alpha: float) -> float:
+    """CTranslate2's length penalty (score / |Y|^p) for our GNMT alpha. It must not be 0: with 0 CTranslate2
+    stops once its best hypothesis is finished, where ours (and its own with a penalty) waits for `beam`
+    finished ones. It also decides which `beam` hypotheses it returns when more finish on the last step, so
+    p approximates GNMT's ratios over usual lengths: log((5 + 20) / (5 + 5)) = 0.66 log(20 / 5)."""
+    return max(alpha * 0.66, 1e-3)
+
+
+def _hypothesis(pieces: list[str], score: float, eos: str, budget: int, lp: float
+                ) -> tuple[list[str], Optional[float], list[float]]:
+    """(pieces without EOS, log-probability or None when cut at the budget, [])."""
+    if pieces and pieces[-1] == eos and len(pieces) <= budget:
+        return pieces[:-1], score * len(pieces) ** lp, []  # undo CTranslate2's length normalisation
+    return pieces[:budget - 1], None, []
+
+
+def _device(ct2: Any, device: str) -> str:
+    if device == "auto":
+        return "cuda" if ct2.get_cuda_device_count() > 0 else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: CTranslate2 runs on cpu or cuda")
+    return device
+
+
+def load_ct2_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.PathLike]] = None, *,
+                        device: str = "auto", precision: Optional[str] = None, beam: Optional[int] = None,
+                        alpha: Optional[float] = None, max_len: Optional[Sequence[float]] = None) -> CT2Translator:
+    """A CT2Translator for an export directory, or for a checkpoint / run directory (exported once, as
+    float32, into the run's ct2-cache/; CTranslate2 converts to the compute type on load)."""
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        if len(checkpoint) > 1:
+            raise ExportError("CTranslate2 decodes one model: ensembles need --engine torch (or average the "
+                              "checkpoints with tmt average)")
+        checkpoint = checkpoint[0]
+    if checkpoint is not None and is_export(checkpoint):
+        directory = Path(checkpoint)
+    else:
+        path = resolve_checkpoint(checkpoint)
+        directory = cached_export(path, run_dir_of(path) / "ct2-cache")
+    return CT2Translator(directory, device=device, precision=precision, beam=beam, alpha=alpha, max_len=max_len)

@@ -1,0 +1,177 @@
+"""`tmt export`: a checkpoint as a CTranslate2 model directory (the `[ct2]` extra).
+
+CTranslate2 is the fastest CPU engine for Transformer translation models (int8 weights, its own kernels);
+its converters read fairseq, OpenNMT and Marian models, and this one reads ours. The directory holds
+CTranslate2's model.bin, config.json and vocabularies, our SentencePiece model(s), the run's config
+(tmt_config.yaml, for `tmt evaluate`'s test split and decode settings), tmt.json and a README.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .checkpoint import load_for_inference, resolve_checkpoint
+from .config import QUANTIZATIONS, save_config
+from .errors import UserError
+from .model import MultiHeadAttention, Transformer
+from .tokenizer import Tokenizer
+from .vocab import BOS, EOS, UNK
+
+MANIFEST = "tmt.json"  # what makes a directory one of our exports
+
+
+class ExportError(UserError):
+    """The model cannot be exported (an option CTranslate2 cannot express, or the extra is missing)."""
+
+
+def import_ctranslate2() -> Any:
+    try:
+        import ctranslate2
+    except ImportError:
+        raise ExportError("CTranslate2 is not installed: pip install 'transformer-mt[ct2]'") from None
+    return ctranslate2
+
+
+def is_export(path: str | Path) -> bool:
+    """A directory written by export_ctranslate2."""
+    return (Path(path) / MANIFEST).is_file() and (Path(path) / "model.bin").is_file()
+
+
+def export_ctranslate2(checkpoint: Optional[str | Path], output: str | Path, quantization: str = "float32",
+                       force: bool = False) -> Path:
+    """Convert a checkpoint (or a run directory's best) into a CTranslate2 model directory `output`."""
+    if quantization not in QUANTIZATIONS:
+        raise ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    ct2 = import_ctranslate2()
+    path = resolve_checkpoint(checkpoint)
+    model, tokenizer, cfg, ckpt = load_for_inference(path, "cpu")
+    out = Path(output)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ExportError(f"{out} exists and is not empty: choose another --output or pass --force")
+    spec = model_spec(ct2, model, tokenizer)
+    try:
+        spec.validate()
+        spec.optimize(quantization=quantization)
+    except (ValueError, TypeError) as e:
+        raise ExportError(f"CTranslate2 refused the converted model: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    spec.save(str(out))
+    tokenizer.save(out)
+    save_config(cfg, out / "tmt_config.yaml")
+    manifest = {"checkpoint": str(path.resolve()), "step": ckpt.get("step"), "tokenizer": tokenizer.digest,
+                "quantization": quantization, "precision": cfg.train.precision,
+                "ctranslate2": ct2.__version__, "max_positions": cfg.model.max_positions,
+                "parameters": model.num_parameters()}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / "README.md").write_text(_readme(path, manifest))
+    return out
+
+
+def cached_export(checkpoint: Path, cache_root: Path) -> Path:
+    """A float32 export of `checkpoint` under cache_root, made once per checkpoint content (its size and
+    modification time name it); CTranslate2 quantizes on load to the compute type asked for."""
+    stat = checkpoint.stat()
+    key = hashlib.blake2b(f"{checkpoint.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode(), digest_size=8)
+    out = cache_root / f"{checkpoint.stem}-{key.hexdigest()}"
+    if not is_export(out):
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        export_ctranslate2(checkpoint, tmp, "float32", force=True)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)  # whole or not at all: a killed export leaves only .tmp behind
+    return out
+
+
+# --------------------------------------------------------------------------- the specification
+
+
+def model_spec(ct2: Any, model: Transformer, tokenizer: Tokenizer) -> Any:
+    """CTranslate2's TransformerSpec with our weights, vocabularies and special tokens."""
+    if not isinstance(model, Transformer):
+        raise ExportError("only a single model exports: average the checkpoints (tmt average) instead of "
+                          "ensembling them")
+    cfg = model.cfg
+    specs = ct2.specs
+    spec = specs.TransformerSpec.from_config((cfg.encoder_layers, cfg.decoder_layers), cfg.heads,
+                                             pre_norm=cfg.norm == "pre", activation=specs.Activation.RELU)
+    positions = model.pos.pe.numpy()  # (P, d): ours interleave sin and cos, so CTranslate2 gets the table
+    _input_layers(spec.encoder, model.src_embed.lut.weight, positions)
+    _input_layers(spec.decoder, model.tgt_embed.lut.weight, positions)
+    for layer_spec, layer in zip(spec.encoder.layer, model.encoder.layers):
+        _attention(layer_spec.self_attention, layer.self_attn, layer.norm1)
+        _ffn(layer_spec.ffn, layer.ff, layer.norm2)
+    for layer_spec, layer in zip(spec.decoder.layer, model.decoder.layers):
+        _attention(layer_spec.self_attention, layer.self_attn, layer.norm1)
+        _attention(layer_spec.attention, layer.cross_attn, layer.norm2)
+        _ffn(layer_spec.ffn, layer.ff, layer.norm3)
+    if cfg.norm == "pre":
+        _norm(spec.encoder.layer_norm, model.encoder.norm)
+        _norm(spec.decoder.layer_norm, model.decoder.norm)
+    spec.decoder.projection.weight = _np(model.generator.weight)
+    src_vocab, tgt_vocab = _vocabulary(tokenizer.src), _vocabulary(tokenizer.tgt)
+    spec.register_source_vocabulary(src_vocab)
+    spec.register_target_vocabulary(tgt_vocab)
+    c = spec.config
+    c.unk_token, c.bos_token, c.eos_token = tgt_vocab[UNK], tgt_vocab[BOS], tgt_vocab[EOS]
+    c.decoder_start_token, c.add_source_eos = tgt_vocab[BOS], True  # our sources end in EOS
+    c.layer_norm_epsilon = model.encoder.layers[0].norm1.eps
+    return spec
+
+
+def _np(t: torch.Tensor) -> Any:
+    return t.detach().float().cpu().numpy().copy()
+
+
+def _input_layers(spec: Any, embedding: torch.Tensor, positions: Any) -> None:
+    emb = spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings
+    emb.weight = _np(embedding)
+    spec.scale_embeddings = True  # x sqrt(d_model), Sec. 3.4
+    spec.position_encodings.encodings = positions.copy()
+
+
+def _norm(spec: Any, norm: torch.nn.LayerNorm) -> None:
+    spec.gamma, spec.beta = _np(norm.weight), _np(norm.bias)
+
+
+def _linear(spec: Any, linear: torch.nn.Linear) -> None:
+    spec.weight, spec.bias = _np(linear.weight), _np(linear.bias)
+
+
+def _attention(spec: Any, attn: MultiHeadAttention, norm: torch.nn.LayerNorm) -> None:
+    """Our fused projections are CTranslate2's: self-attention QKV in one matrix, cross-attention Q then KV."""
+    if attn.cross:
+        _linear(spec.linear[0], attn.q_proj)
+        _linear(spec.linear[1], attn.kv_proj)
+    else:
+        _linear(spec.linear[0], attn.qkv_proj)
+    _linear(spec.linear[-1], attn.out_proj)
+    _norm(spec.layer_norm, norm)
+
+
+def _ffn(spec: Any, ff: torch.nn.Module, norm: torch.nn.LayerNorm) -> None:
+    _linear(spec.linear_0, ff.w1)
+    _linear(spec.linear_1, ff.w2)
+    _norm(spec.layer_norm, norm)
+
+
+def _vocabulary(sp: Any) -> list[str]:
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    if len(set(pieces)) != len(pieces):
+        raise ExportError("the SentencePiece model has duplicate pieces; CTranslate2 looks tokens up by piece")
+    return pieces
+
+
+def _readme(path: Path, manifest: dict[str, Any]) -> str:
+    return (f"# CTranslate2 export of {path.name}\n\n"
+            f"Written by `tmt export` from `{manifest['checkpoint']}` (step {manifest['step']}), "
+            f"weights stored as {manifest['quantization']}, for CTranslate2 {manifest['ctranslate2']}.\n\n"
+            "With transformer-mt: `tmt translate --engine ctranslate2 -c THIS_DIR`, and likewise evaluate, "
+            "score and serve.\n\nWith CTranslate2 alone: encode the source with `spm.model` (or `spm.src.model`), "
+            "then `ctranslate2.Translator(THIS_DIR).translate_batch(pieces)`; the end-of-sentence token is added "
+            "to the source for you, and outputs are decoded with `spm.model` (or `spm.tgt.model`).\n")
