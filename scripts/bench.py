@@ -334,13 +334,23 @@ def write_report(res: dict, path: Path) -> None:
     ]
     for row in res["decode_scaling"]:
         lines.append(f"| {row['length']} | {row['ms_per_token']:.2f} | {row['seconds']:.2f} |")
-    lines += ["", "The cost per step stays flat as the output grows: each step attends over cached keys and "
-              "values instead of re-running the prefix.", ""]
+    lines += ["", decode_scaling_sentence(res["decode_scaling"]), ""]
     if res.get("decoding"):
         lines += decoding_table(res)
     for note in res.get("notes", []):
         lines.append(f"- {note}")
     replace_section(path, "speed", "\n".join(lines))
+
+
+def decode_scaling_sentence(rows: list[dict]) -> str:
+    """What the decode-scaling figures say, computed from them: the step cost at the longest output over the
+    shortest, flat only when within 1.5x (a KV cache attends over cached keys instead of re-running the prefix,
+    so the step cost grows only with the attention over the longer cache)."""
+    first, last = rows[0], rows[-1]
+    ratio = last["ms_per_token"] / first["ms_per_token"]
+    verdict = "about flat" if ratio <= 1.5 else "growing with the output"
+    return (f"A decoding step at {last['length']} output tokens costs {ratio:.2f}× one at {first['length']} "
+            f"({last['length'] / first['length']:.0f}× the length): {verdict}.")
 
 
 def decoding_table(res: dict) -> list[str]:

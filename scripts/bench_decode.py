@@ -96,6 +96,9 @@ def conclusions(d: dict) -> list[str]:
     if ct2 and fs:
         out.append(f"CTranslate2 int8 through tmt decodes {ct2 / fs:.2f}× as fast as fairseq-generate "
                    f"(target ≥ 3×: {'met' if ct2 / fs >= 3 else 'not met'}).")
+    ours32 = d.get("transformer-mt fp32", {}).get("sent_s")
+    if ours32 and fs:
+        out.append(f"fp32 against fp32, the headline: ours decodes {ours32 / fs:.2f}× as fast as fairseq-generate.")
     ours = {k: v for k, v in d.items() if k.startswith("transformer-mt")}
     if ct2 and ours:
         best = max(ours, key=lambda k: ours[k]["sent_s"])

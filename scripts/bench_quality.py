@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench import MULTI30K, evaluate_test, peers_ready, run_peer  # noqa: E402
-from benchlib import replace_section  # noqa: E402
+from benchlib import cpu_model, replace_section  # noqa: E402
 
 TMT = [sys.executable, "-m", "transformer_mt"]
 
@@ -50,18 +50,39 @@ def train_clean(config: str, run_dir: Path, overrides: list[str]) -> float:
     return round((time.perf_counter() - t0) / 60, 1)
 
 
-def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int = 4,
+def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int | None = None,
                        train: bool = True, max_len: tuple[float, int] | None = None) -> dict:
-    """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr."""
+    """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr (with the
+    run's own beam unless `beam` is given)."""
     minutes = train_clean(config, run_dir, overrides) if train else None
     length = ["--max-len", *map(str, max_len)] if max_len else []
-    result = evaluate_test(ROOT / run_dir, "--beam", str(beam), *length)
+    result = evaluate_test(ROOT / run_dir, *(["--beam", str(beam)] if beam else []), *length)
     last = torch.load(ROOT / run_dir / "checkpoints" / "last.pt", weights_only=True)
     state = last["train_state"]
     result.update(train_minutes=minutes or round(state["seconds"] / 60, 1), steps=state["step"], epochs=state["epoch"],
                   tgt_tok_per_s=round(state["target_tokens"] / max(state["seconds"], 1e-9)),
-                  evaluated=Path(result["checkpoint"]).name)
+                  evaluated=Path(result["checkpoint"]).name, trained_precision=state.get("precision") or "?",
+                  valid_bleu_by_minute=valid_bleu_by_minute(ROOT / run_dir))
     return result
+
+
+def valid_bleu_by_minute(run_dir: Path, marks: tuple[int, ...] = (20, 40, 60)) -> dict[str, float]:
+    """The validation BLEU of the last validation at or before 20, 40 and 60 minutes of the run (event times
+    from the first event, so set-up before it is not counted)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    if "valid/bleu" not in acc.Tags()["scalars"]:
+        return {}
+    events = acc.Scalars("valid/bleu")
+    start = min(e.wall_time for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag))
+    out = {}
+    for m in marks:
+        before = [e for e in events if e.wall_time - start <= m * 60]
+        if before:
+            out[str(m)] = round(before[-1].value, 2)
+    return out
 
 
 def report(res: dict) -> str:
@@ -69,7 +90,8 @@ def report(res: dict) -> str:
     if "recipe" in res:
         r = res["recipe"]
         lines += [
-            f"`tmt train {res['recipe_config']}` from a clean run directory on {res['date']}, then "
+            f"`tmt train {res['recipe_config']}` from a clean run directory on {res['date']} on "
+            f"**{res.get('cpu', 'an unrecorded CPU')}** (2 cores), trained in {r.get('trained_precision', '?')}, then "
             f"`tmt evaluate` with beam {r['beam']} on the checkpoint the recipe selected ({r['evaluated']}).",
             "",
             "| BLEU | chrF | TER | training minutes | steps | epochs | target tok/s | decode sent/s |",
@@ -83,6 +105,9 @@ def report(res: dict) -> str:
         if "tokenized_bleu" in r:
             lines += [f"Beside it, the literature's measure: **tokenized BLEU {r['tokenized_bleu']:.2f}** (sacreBLEU "
                       f"{r['bleu']:.2f}), {r['tokenized_bleu_description']}.", ""]
+        if r.get("valid_bleu_by_minute"):
+            lines += ["Validation BLEU (greedy, whole dev set) of the last validation by each mark: "
+                      + "; ".join(f"{m} min: {b}" for m, b in r["valid_bleu_by_minute"].items()) + ".", ""]
     if "tokenization_agreement" in res:
         a = res["tokenization_agreement"]
         lines += ["Our tokenization of the raw German references against the official `tok/*.lc.norm.tok.de` files: "
@@ -143,7 +168,7 @@ def precision_check(config: str, steps: int) -> dict:
     return {"steps": steps, "rows": rows}
 
 
-RECIPE_KEYS = [("model", "d_model"), ("model", "encoder_layers"), ("model", "d_ff"), ("model", "dropout"),
+RECIPE_KEYS = [("model", "d_model"), ("model", "encoder_layers"), ("model", "d_ff"), ("model", "heads"), ("model", "dropout"),
                ("model", "norm"), ("tokenizer", "vocab_size"), ("train", "max_tokens"), ("train", "warmup"),
                ("train", "lr_factor"), ("train", "label_smoothing"), ("train", "precision"),
                ("train", "max_minutes"), ("train", "save_every"), ("train", "average_last"), ("decode", "alpha")]
@@ -153,11 +178,12 @@ def record_experiment(res: dict, config: str, run_dir: Path, result: dict) -> No
     """Append a recipe run (its settings and scores) to the history behind docs/multi30k.md."""
     cfg = yaml.safe_load((ROOT / run_dir / "config.yaml").read_text())
     entry = {"date": res["date"], "config": config, **{f"{a}.{b}": cfg[a][b] for a, b in RECIPE_KEYS},
-             **{k: result[k] for k in ("bleu", "chrf", "steps", "train_minutes", "beam", "evaluated")}}
+             **{k: result.get(k, "") for k in ("bleu", "tokenized_bleu", "chrf", "steps", "train_minutes", "beam",
+                                               "evaluated", "trained_precision")}, "cpu": res.get("cpu", "")}
     history = [h for h in res.get("history", []) if h["date"] != entry["date"]]
     res["history"] = history + [entry]
-    head = ["date", *[f"{a}.{b}" for a, b in RECIPE_KEYS], "steps", "train_minutes", "evaluated", "beam", "bleu",
-            "chrf"]
+    head = ["date", "cpu", *[f"{a}.{b}" for a, b in RECIPE_KEYS], "trained_precision", "steps", "train_minutes",
+            "evaluated", "beam", "bleu", "tokenized_bleu", "chrf"]
     rows = ["| " + " | ".join(h.split(".")[-1] for h in head) + " |", "|" + " --- |" * len(head)]
     rows += ["| " + " | ".join(str(e.get(h, "")) for h in head) + " |" for e in res["history"]]
     replace_section(ROOT / "docs" / "multi30k.md", "experiments", "\n".join(rows))
@@ -197,6 +223,7 @@ def main() -> int:
     path = Path(args.json)
     res = json.loads(path.read_text()) if path.exists() else {}
     res["date"] = time.strftime("%Y-%m-%d %H:%M")
+    res["cpu"] = cpu_model()
     res["tokenization_agreement"] = tokenization_agreement()
     if not args.skip_recipe:
         res["recipe_config"] = args.recipe

@@ -39,6 +39,10 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return self.tgt.get_piece_size()
 
+    def sizes(self) -> tuple[int, int, bool]:
+        """(source vocabulary size, target vocabulary size, joint): what a Transformer is built from."""
+        return self.src_vocab_size, self.tgt_vocab_size, self.joint
+
     @property
     def digest(self) -> str:
         """A short hash of the model files: checkpoints and caches record which tokenizer they used."""

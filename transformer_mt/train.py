@@ -36,7 +36,8 @@ from .distributed import (Dist, agree, gathered_rng, global_sum, init_distribute
 from .errors import UserError
 from .metrics import score
 from .model import Transformer
-from .runtime import DTYPES, autocast, inference_model, matmul_gflops, pick_device, resolve_precision
+from .runtime import (DTYPES, autocast, fastest_cpu_precision, inference_model, keep_freed_memory, matmul_gflops,
+                      pick_device, resolve_precision)
 from .search import translate_ids
 from .tokenizer import Tokenizer, train_tokenizer
 from .vocab import PAD
@@ -69,6 +70,7 @@ class TrainState:
     best_step: int = 0
     bad_validations: int = 0  # validations since the best one
     seconds: float = 0.0  # training wall-clock of earlier (resumed-from) runs
+    precision: str = ""  # what the run trains in (precision auto's measured choice)
 
     def record_validation(self, score: Optional[float]) -> bool:
         """Note this step's validation score; True if it is the best so far (always, with nothing to score)."""
@@ -174,7 +176,30 @@ def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device, str]:
     torch.manual_seed(tc.seed)
     d = init_distributed(tc.device)
     device = rank_device(d, pick_device(tc.device))
+    if device.type == "cpu" and keep_freed_memory():
+        log.debug("malloc keeps freed memory: no page faults for each step's large tensors")
     return d, device, resolve_precision(tc.precision, device)
+
+
+def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device) -> str:
+    """precision auto on a CPU: time a training step of this model on a synthetic batch of 1,024 tokens in
+    fp32 and in bf16 autocast, and train in bf16 only when it is at least 10% faster (fp32 is exact, so
+    it wins near-ties and the choice does not flip on timing noise). Any rank's bf16 vote decides."""
+    vocab, T = model.generator.out_features, 24
+    ids = (torch.arange(max(1, min(tc.max_tokens, 1024) // T) * T) % (vocab - 4) + 4).view(-1, T).to(device)
+
+    def step(precision: str) -> None:
+        with autocast(precision, device):
+            logits = model(ids, ids)  # (B, T, V)
+        label_smoothed_loss(logits, ids, tc.label_smoothing).backward()
+        model.zero_grad(set_to_none=True)
+
+    _, seconds = fastest_cpu_precision(step)
+    (bf16,) = agree(d, device, seconds["bf16"] < 0.9 * seconds["fp32"])
+    choice = "bf16" if bf16 else "fp32"
+    log.info("precision auto: a training step took %.0f ms in fp32 and %.0f ms in bf16 on this CPU; training "
+             "in %s", 1000 * seconds["fp32"], 1000 * seconds["bf16"], choice)
+    return choice
 
 
 # --------------------------------------------------------------------------- loop helpers
@@ -280,13 +305,13 @@ class Trainer:
         self.batches = EpochBatches(self.data, tc, self.dist)
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # BLEU scores the raw references
-        tok = self.tokenizer
-        self.model = Transformer(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
+        self.model = Transformer(cfg.model, *self.tokenizer.sizes()).to(self.device)
+        if tc.precision == "auto" and self.device.type == "cpu":  # measured, not guessed from CPU flags
+            self.precision = choose_cpu_precision(self.model, tc, self.dist, self.device)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.state = TrainState()
-        self.writer: Any = _NullWriter()
+        self.state, self.writer = TrainState(), _NullWriter()  # the event writer opens when training starts
         if resume_from is not None:
             self._restore(resume_from)
 
@@ -350,7 +375,7 @@ class Trainer:
 
     def _start(self) -> tuple[tqdm, float]:
         """Open the event log (rank 0), say what is trained; the progress bar and the matmul GFLOP/s."""
-        tc, main = self.cfg.train, self.dist.main
+        tc, main, self.state.precision = self.cfg.train, self.dist.main, self.precision
         if main:
             from torch.utils.tensorboard import SummaryWriter  # imported late: slow, and only the loop needs it
 
