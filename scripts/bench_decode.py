@@ -105,6 +105,14 @@ def conclusions(d: dict) -> list[str]:
         ratio = ours[best]["sent_s"] / ct2
         out.append(f"Our fastest PyTorch decoding ({best}) runs at {ratio:.2f}× CTranslate2 int8 "
                    f"(target ≥ 0.5×: {'met' if ratio >= 0.5 else 'not met'}).")
+        ct2s = {k: v for k, v in d.items() if k.startswith("ctranslate2")}
+        fastest = max(ct2s, key=lambda k: ct2s[k]["sent_s"])
+        out.append(f"The fastest CTranslate2 here is {fastest}; our fastest runs at "
+                   f"{ours[best]['sent_s'] / ct2s[fastest]['sent_s']:.2f}× it.")
+    if fs and ours and abs(d["fairseq"]["bleu"] - d.get("transformer-mt fp32", {}).get("bleu", d["fairseq"]["bleu"])) > 2:
+        out.append(f"fairseq decodes another model (BLEU {d['fairseq']['bleu']} against ours "
+                   f"{d['transformer-mt fp32']['bleu']}): its outputs differ in length, so the ratios to it compare "
+                   "engines on different work.")
     return out
 
 
