@@ -66,7 +66,7 @@ def test_the_probe_runs_a_real_training_step_in_each_precision():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc are Linux's")
 def test_malloc_keeps_freed_memory_so_big_tensors_stop_faulting():
-    """64 MB tensors allocated and freed ten times: glibc mmaps and unmaps each (16,000 fresh pages a time)
+    """64 MB tensors allocated and freed thirty times: glibc mmaps and unmaps each (16,000 fresh pages a time)
     unless keep_freed_memory() told it to keep them; then, once the heap has grown to its working size,
     they reuse its pages. Run in fresh processes: mallopt is process-wide."""
     script = textwrap.dedent("""
@@ -74,15 +74,15 @@ def test_malloc_keeps_freed_memory_so_big_tensors_stop_faulting():
         from transformer_mt.runtime import keep_freed_memory, minor_faults
         if sys.argv[1] == "keep":
             assert keep_freed_memory()
-        for _ in range(5):  # the first allocations fault either way (the heap grows to its working size)
+        for _ in range(10):  # the first allocations fault either way (the heap grows to its working size)
             torch.ones(16 * 1024 * 1024).sum()
         before = minor_faults()
-        for _ in range(10):
+        for _ in range(30):
             torch.ones(16 * 1024 * 1024).sum()  # 64 MB, freed at once
         print(minor_faults() - before)
         """)
     faults = {mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
                                        check=True).stdout) for mode in ("default", "keep")}
-    assert faults["default"] > 10 * 16000 * 0.9  # every 64 MB block came back as fresh pages
-    assert faults["keep"] < faults["default"] / 5, faults
+    assert faults["default"] > 30 * 16000 * 0.9  # every 64 MB block came back as fresh pages
+    assert faults["keep"] < faults["default"] / 6, faults  # at most a few more growths of the heap
     assert minor_faults() > 0
