@@ -31,7 +31,7 @@ def child(engine: str, precision: str, model: str, src: str, ref: str, batch: in
     """One contender: load, warm up on one batch, decode every batch (timed), score; with its own peak RSS."""
     import torch
 
-    from transformer_mt.data import read_lines
+    from transformer_mt.data import chunks, read_lines
     from transformer_mt.metrics import score
     from transformer_mt.translate import load_translator
 
@@ -42,7 +42,7 @@ def child(engine: str, precision: str, model: str, src: str, ref: str, batch: in
     sources, references = read_lines(src), read_lines(ref)
     lengths = [len(x) for x in t.tokenizer.encode_src(sources)]
     order = sorted(range(len(sources)), key=lambda i: lengths[i])
-    batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+    batches = list(chunks(order, batch))
     t.translate_text([sources[i] for i in batches[len(batches) // 2]])  # warm-up
     hyps: list[str] = [""] * len(sources)
     start = time.perf_counter()

@@ -9,7 +9,6 @@ GNMT length penalty (CTranslate2's own penalty divides by |Y|^alpha); each sente
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -19,7 +18,7 @@ import torch
 from .checkpoint import resolve_checkpoint, run_dir_of
 from .config import ConfigError, load_config
 from .export import MANIFEST, ExportError, cached_export, import_ctranslate2, is_export
-from .search import Sampling, length_penalty
+from .search import Sampling, length_penalty, max_output_len
 from .tokenizer import Tokenizer
 from .translate import BaseTranslator, Scored, Translation, decode_overrides
 from .vocab import BOS, EOS, PAD
@@ -70,7 +69,9 @@ class CT2Translator(BaseTranslator):
             import_ctranslate2().set_random_seed(sampling.seed)
         ids = [s[:self.max_positions - 1] for s in self.tokenizer.encode_src([x.strip() for x in lines])]
         live = [i for i in range(len(ids)) if ids[i]]
-        budgets = [self._budget(len(ids[i])) for i in live]
+        d = self.decode  # our search's per-sentence output budget, for the source's pieces plus EOS
+        budgets = max_output_len(torch.tensor([len(ids[i]) + 1 for i in live], dtype=torch.long), d.max_len_a,
+                                 d.max_len_b, self.max_positions).tolist()
         found = dict(zip(live, self._search([ids[i] for i in live], budgets, beam, sampling)))
         # One scoring pass gives per-token log-probabilities, and the total of hypotheses the budget cut.
         todo = [(i, k) for i, hyps in found.items() for k, h in enumerate(hyps) if token_scores or h[1] is None]
@@ -100,11 +101,6 @@ class CT2Translator(BaseTranslator):
                 for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)]
 
     # ----------------------------------------------------------------------------------------- internals
-
-    def _budget(self, src_len: int) -> int:
-        """Our search's output budget (search.max_output_len) for a source of src_len pieces plus EOS."""
-        d = self.decode
-        return max(1, min(int(math.floor((src_len + 1) * d.max_len_a + d.max_len_b)), self.max_positions))
 
     def _search(self, ids: list[list[int]], budgets: list[int], beam: int, sampling: Optional[Sampling]
                 ) -> list[list[tuple[list[str], Optional[float], list[float]]]]:
