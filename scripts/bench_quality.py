@@ -170,14 +170,14 @@ def precision_check(config: str, steps: int) -> dict:
 
 RECIPE_KEYS = [("model", "d_model"), ("model", "encoder_layers"), ("model", "d_ff"), ("model", "heads"), ("model", "dropout"),
                ("model", "norm"), ("tokenizer", "vocab_size"), ("train", "max_tokens"), ("train", "warmup"),
-               ("train", "lr_factor"), ("train", "label_smoothing"), ("train", "precision"),
+               ("train", "lr_factor"), ("train", "cooldown"), ("train", "label_smoothing"), ("train", "precision"),
                ("train", "max_minutes"), ("train", "save_every"), ("train", "average_last"), ("decode", "alpha")]
 
 
 def record_experiment(res: dict, config: str, run_dir: Path, result: dict) -> None:
     """Append a recipe run (its settings and scores) to the history behind docs/multi30k.md."""
     cfg = yaml.safe_load((ROOT / run_dir / "config.yaml").read_text())
-    entry = {"date": res["date"], "config": config, **{f"{a}.{b}": cfg[a][b] for a, b in RECIPE_KEYS},
+    entry = {"date": res["date"], "config": config, **{f"{a}.{b}": cfg[a].get(b, "") for a, b in RECIPE_KEYS},
              **{k: result.get(k, "") for k in ("bleu", "tokenized_bleu", "chrf", "steps", "train_minutes", "beam",
                                                "evaluated", "trained_precision")}, "cpu": res.get("cpu", "")}
     history = [h for h in res.get("history", []) if h["date"] != entry["date"]]

@@ -11,7 +11,7 @@ from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.config import config_from_dict
 from transformer_mt.data import collate, read_split
 from transformer_mt.vocab import PAD
-from transformer_mt.train import Trainer, label_smoothed_loss, noam
+from transformer_mt.train import Trainer, cooldown_factor, label_smoothed_loss, noam
 from transformer_mt.translate import Translator
 
 
@@ -74,6 +74,53 @@ def test_learning_rate_follows_noam_per_update(tmp_path):
         lrs.append(trainer.optimizer.param_groups[0]["lr"])
         trainer.train_step([batch], tokens)
     assert lrs == pytest.approx([noam(s, 64, 60, 1.0) for s in (1, 2, 3)])
+
+
+def test_cooldown_factor_is_a_straight_line_down_to_the_last_update():
+    assert [cooldown_factor(s, 0, 0) for s in (1, 50, 10**6)] == [1.0, 1.0, 1.0]  # no plan: no cooldown
+    start, end = 6, 10
+    factors = [cooldown_factor(s, start, end) for s in range(1, 12)]
+    assert factors[:start] == [1.0] * start  # updates 1..6 untouched
+    assert factors[start:] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])  # 7..10 fall by 1/4 each; 11 is past the end
+
+
+def lrs_of_updates(monkeypatch, trainer):
+    """Run trainer.train(), recording the learning rate each update is made with."""
+    lrs, step = [], trainer.train_step
+
+    def recording(*args, **kwargs):
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", recording)
+    return lrs, trainer.train()
+
+
+def test_cooldown_by_steps_anneals_the_last_fraction_of_max_steps(tmp_path, monkeypatch):
+    write_copy_corpus(tmp_path, n_train=200)
+    trainer = Trainer(tiny_config(tmp_path, max_steps=10, cooldown=0.4))
+    lrs, summary = lrs_of_updates(monkeypatch, trainer)
+    assert summary["steps"] == 10
+    # 40% of 10 updates: 7..10 at 4/4, 3/4, 2/4, 1/4 of the Noam rate.
+    expected = [noam(s, 64, 60, 1.0) * (1 if s <= 6 else (11 - s) / 4) for s in range(1, 11)]
+    assert lrs == pytest.approx(expected)
+
+
+def test_time_budget_plans_the_cooldown_from_the_step_rate(tmp_path, monkeypatch):
+    """A clock of 10 updates a minute and a 2-minute budget: the last quarter (0.5 min) starts at update 15
+    and holds 5 updates, 2% kept spare -> 4: the lr falls to ~0 at update 19 and the run stops there."""
+    write_copy_corpus(tmp_path, n_train=200)
+    trainer = Trainer(tiny_config(tmp_path, max_steps=1000, max_minutes=2.0, cooldown=0.25))
+    monkeypatch.setattr(Trainer, "minutes", lambda self: self.state.step / 10)
+    lrs, summary = lrs_of_updates(monkeypatch, trainer)
+    assert summary["steps"] == 19 and "cooldown" in summary["stopped"]
+    expected = [noam(s, 64, 60, 1.0) * (1 if s <= 15 else (20 - s) / 4) for s in range(1, 20)]
+    assert lrs == pytest.approx(expected)
+    # The plan is part of the checkpoint: a resumed run keeps it instead of planning again.
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]
+    assert (state["cooldown_start"], state["cooldown_end"]) == (15, 19)
+    resumed = Trainer(tiny_config(tmp_path, max_steps=1000, max_minutes=2.0, cooldown=0.25), resume=True)
+    assert (resumed.state.cooldown_start, resumed.state.cooldown_end) == (15, 19)
 
 
 @pytest.mark.slow

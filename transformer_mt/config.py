@@ -119,6 +119,9 @@ class TrainConfig:
     max_minutes: float = 0.0  # time budget (set-up included); 0 = none. Stops, validates and saves.
     lr_factor: float = 2.0  # Noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup: int = 4000
+    # The last fraction of the run over which the lr decays linearly to 0: of max_steps, or, when
+    # max_minutes ends the run first, of the time budget (its steps planned from the step rate so far).
+    cooldown: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
@@ -148,6 +151,7 @@ class TrainConfig:
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(self.save_every >= 0, "train.save_every", f"must be >= 0, got {self.save_every}")
         _check(self.patience >= 0, "train.patience", f"must be >= 0, got {self.patience}")
+        _check(0.0 <= self.cooldown < 1.0, "train.cooldown", f"must be in [0, 1), got {self.cooldown}")
         _check(self.max_minutes >= 0, "train.max_minutes", f"must be >= 0, got {self.max_minutes}")
         _check(self.average_last >= 0, "train.average_last", f"must be >= 0, got {self.average_last}")
         _check(self.average_last <= max(self.keep_last, 1), "train.average_last",

@@ -80,6 +80,15 @@ def agree(d: Dist, device: torch.device, *flags: bool) -> tuple[bool, ...]:
     return tuple(bool(x) for x in t.tolist())
 
 
+def agree_min(d: Dist, device: torch.device, value: int) -> int:
+    """The smallest of the ranks' values, seen by every rank (a plan that all ranks must share)."""
+    if d.world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def global_sum(d: Dist, t: torch.Tensor) -> float:
     """A device scalar summed over ranks, as a Python float (a host sync)."""
     if d.world > 1:

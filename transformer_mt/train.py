@@ -31,8 +31,8 @@ from .checkpoint import (CheckpointError, average_checkpoints, restore_training,
 from .config import Config, DecodeConfig, TrainConfig, save_config
 from .data import (Batch, DataError, TokenizedCorpus, cache_dir, collate, iter_split, load_tokenized, make_batches,
                    read_split, usable_indices)
-from .distributed import (Dist, agree, gathered_rng, global_sum, init_distributed, leave_distributed, rank_device,
-                          rank_zero_first, restore_rng)
+from .distributed import (Dist, agree, agree_min, gathered_rng, global_sum, init_distributed, leave_distributed,
+                          rank_device, rank_zero_first, restore_rng)
 from .errors import UserError
 from .metrics import score
 from .model import Transformer
@@ -49,6 +49,14 @@ def noam(step: int, d_model: int, warmup: int, factor: float) -> float:
     """lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (Sec. 5.3, Eq. 3)."""
     step = max(step, 1)
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def cooldown_factor(step: int, start: int, end: int) -> float:
+    """The learning rate's multiplier for update `step` (1-based): 1 up to `start`, then a straight line down
+    to 1 / (end - start) at update `end`, the last (annealing to ~0 by the end of the run; end <= start: none)."""
+    if end <= start or step <= start:
+        return 1.0
+    return max(end - step + 1, 0) / (end - start)
 
 
 def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
@@ -71,6 +79,8 @@ class TrainState:
     bad_validations: int = 0  # validations since the best one
     seconds: float = 0.0  # training wall-clock of earlier (resumed-from) runs
     precision: str = ""  # what the run trains in (precision auto's measured choice)
+    cooldown_start: int = 0  # the lr decays linearly from update cooldown_start to ~0 at cooldown_end
+    cooldown_end: int = 0  # (both 0: no cooldown); see Trainer.plan_cooldown
 
     def record_validation(self, score: Optional[float]) -> bool:
         """Note this step's validation score; True if it is the best so far (always, with nothing to score)."""
@@ -135,14 +145,17 @@ def prepare_data(cfg: Config, tokenizer: Tokenizer) -> TrainingData:
     return data
 
 
-def build_optimizer(model: Transformer, tc: TrainConfig, device: torch.device) -> tuple[torch.optim.Optimizer, Any]:
-    """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR."""
+def build_optimizer(model: Transformer, tc: TrainConfig, device: torch.device,
+                    cooldown: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> tuple[torch.optim.Optimizer, Any]:
+    """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR, times the cooldown
+    factor of the plan that `cooldown()` returns (start, end) when the lr is computed."""
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=tc.adam_betas, eps=tc.adam_eps,
                                  weight_decay=tc.weight_decay, **fused)
     # LambdaLR counts from 0 before the first update; update number s uses noam(s).
     d_model = model.cfg.d_model
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: noam(i + 1, d_model, tc.warmup, tc.lr_factor))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: noam(i + 1, d_model, tc.warmup, tc.lr_factor) * cooldown_factor(i + 1, *cooldown()))
     return optimizer, scheduler
 
 
@@ -309,9 +322,10 @@ class Trainer:
         if tc.precision == "auto" and self.device.type == "cpu":  # measured, not guessed from CPU flags
             self.precision = choose_cpu_precision(self.model, tc, self.dist, self.device)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
-        self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.state, self.writer = TrainState(), _NullWriter()  # the event writer opens when training starts
+        self.optimizer, self.scheduler = build_optimizer(  # the lr reads self.state's cooldown plan, resumed too
+            self.model, tc, self.device, lambda: (self.state.cooldown_start, self.state.cooldown_end))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         if resume_from is not None:
             self._restore(resume_from)
 
@@ -339,6 +353,7 @@ class Trainer:
         batches, meter = self._batches(), Meter(self.device, self.state.step + 1, peak)
         validated_at, reason = -1, ""
         self.model.train()
+        first_step, first_minute = self.state.step, self.minutes()  # this process's step rate, for the plan
         with StopSignals() as signals:
             while not reason:
                 pairs = list(itertools.islice(batches, tc.accumulate))
@@ -352,10 +367,16 @@ class Trainer:
                 self.state.target_tokens += tokens
                 bar.update(1)
                 step = self.state.step
-                out_of_time, interrupted = agree(self.dist, self.device, self.minutes() >= (tc.max_minutes or math.inf),
-                                                 signals.caught is not None)
+                budget = tc.max_minutes or math.inf
+                out_of_time, interrupted, cool = agree(
+                    self.dist, self.device, self.minutes() >= budget, signals.caught is not None,
+                    step < self.state.cooldown_start and self.minutes() >= (1 - tc.cooldown) * budget)
+                if cool:  # the time budget will end the run before max_steps: cool down over its last part
+                    self.plan_cooldown((step - first_step) / max(self.minutes() - first_minute, 1e-9), bar)
                 if step >= tc.max_steps:
                     reason = f"train.max_steps={tc.max_steps} reached"
+                elif step >= self.state.cooldown_end > 0:
+                    reason = f"the cooldown's last update (train.cooldown={tc.cooldown:g}) done"
                 elif out_of_time:
                     reason = f"train.max_minutes={tc.max_minutes:g} reached"
                 if step % tc.log_every == 0 or step % tc.valid_every == 0 or reason or interrupted:
@@ -373,16 +394,32 @@ class Trainer:
         bar.close()
         return self._finish(reason)
 
+    def plan_cooldown(self, steps_per_minute: float, bar: Optional[tqdm] = None) -> None:
+        """Start the cooldown now, to end when the time budget does: the updates left are the budget's
+        minutes left at this run's rate (2% kept spare), at most max_steps. Every rank takes the same plan."""
+        tc, step = self.cfg.train, self.state.step
+        left = tc.max_minutes - self.minutes()
+        end = min(tc.max_steps, step + max(1, int(0.98 * steps_per_minute * left)))
+        self.state.cooldown_start, self.state.cooldown_end = step, agree_min(self.dist, self.device, end)
+        if bar is not None:
+            bar.total = self.state.cooldown_end
+        log.info("cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f updates/min, "
+                 "%.1f of train.max_minutes=%g left)", step, self.state.cooldown_end, steps_per_minute, left,
+                 tc.max_minutes)
+
     def _start(self) -> tuple[tqdm, float]:
         """Open the event log (rank 0), say what is trained; the progress bar and the matmul GFLOP/s."""
         tc, main, self.state.precision = self.cfg.train, self.dist.main, self.precision
+        if tc.cooldown and not self.state.cooldown_end:  # by steps; the time budget may move it earlier
+            self.state.cooldown_end = tc.max_steps
+            self.state.cooldown_start = tc.max_steps - max(1, round(tc.cooldown * tc.max_steps))
         if main:
             from torch.utils.tensorboard import SummaryWriter  # imported late: slow, and only the loop needs it
 
             self.writer = SummaryWriter(str(self.run_dir / "tb"))
             describe_run(tc, self.dist, self.device, self.precision, self.model, self.data, len(self.epoch_batches(1)))
         m = self.cfg.model
-        bar = tqdm(total=tc.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True,
+        bar = tqdm(total=self.state.cooldown_end or tc.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True,
                    mininterval=1.0, disable=not main)
         return bar, matmul_gflops(self.device, DTYPES[self.precision], 4096, m.d_model, m.d_ff)
 
