@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -146,10 +147,13 @@ def report(res: dict) -> str:
         for sel in ("last", "own best"):
             ours, fs = by.get(("transformer-mt", sel)), by.get(("fairseq", sel))
             if ours and fs:
+                updates = (f", after {ours['steps'] / fs['steps']:.2f}× its updates in the same minutes"
+                           if all(isinstance(v.get("steps"), int) for v in (ours, fs)) else "")
                 lines += ["", f"{sel.capitalize()} checkpoints: ours {ours['bleu'] - fs['bleu']:+.2f} BLEU against "
-                              f"fairseq, decoding {ours['decode_sent_per_s'] / fs['decode_sent_per_s']:.2f}× as fast."]
+                              f"fairseq{updates}; decoding {ours['decode_sent_per_s'] / fs['decode_sent_per_s']:.2f}× "
+                              "as fast."]
         lines.append("")
-    if "precision" in res:
+    if "precision" in res and res.get("recipe", {}).get("trained_precision") == "bf16":
         p = res["precision"]
         lines += ["### bf16 against fp32 at equal steps (validation BLEU, greedy, whole dev set)", "",
                   f"The recipe run (bf16) and the same recipe in fp32 for {p['steps']} steps (same seed and "
@@ -176,14 +180,20 @@ def budget_race(config: str, minutes: float) -> list[dict]:
         log("fairseq skipped: the peers kit is not set up (bash ../shared/peers/setup.sh)")
         return rows
     out = run_peer("budget.sh", "fairseq", f"{minutes:g}", timeout=int(minutes * 60 + 1800))
-    fs_dir = PEERS_DIR / "runs" / f"fairseq_budget_{minutes:g}min" / "checkpoints"
-    best = run_peer("decode_speed.sh", "fairseq", str(fs_dir / "checkpoint_best.pt"), "64") if out else None
+    fs_run = PEERS_DIR / "runs" / f"fairseq_budget_{minutes:g}min"
+    best = run_peer("decode_speed.sh", "fairseq", str(fs_run / "checkpoints" / "checkpoint_best.pt"), "64") if out else None
     for selection, name, r in (("last", "checkpoint_last.pt", out), ("own best", "checkpoint_best.pt", best)):
         if r:
             rows.append({"toolkit": "fairseq", "selection": selection, "checkpoint": name, "precision": "fp32",
-                         "bleu": float(r["bleu"]), "decode_sent_per_s": float(r["decode_sent_per_s"]),
-                         "signature": r.get("signature", "")})
+                         "steps": fairseq_updates(fs_run / "train.log"), "bleu": float(r["bleu"]),
+                         "decode_sent_per_s": float(r["decode_sent_per_s"]), "signature": r.get("signature", "")})
     return rows
+
+
+def fairseq_updates(train_log: Path) -> int | str:
+    """The last num_updates fairseq-train logged ('?' without a log)."""
+    found = re.findall(r"num_updates[ =](\d+)", train_log.read_text(errors="replace")) if train_log.exists() else []
+    return int(found[-1]) if found else "?"
 
 
 def valid_bleu_by_step(run_dir: Path) -> dict[int, float]:
