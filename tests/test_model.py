@@ -126,6 +126,26 @@ def test_encoder_decoder_matches_nn_transformer(gen, norm):
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_output_layer_keeps_the_rest_fp32_and_agrees_with_fp32(gen):
+    """output_dtype (precision bf16-output): only the (B, T, V) projection runs in bf16; logits and gradients
+    agree with fp32 within bf16's 8-bit mantissa, and the weights' gradients stay fp32."""
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(), V, V, joint_vocab=True)
+    src, tgt = random_ids(3, 7, [7, 5, 2], gen), random_ids(3, 6, [6, 6, 3], gen)
+    ref = model(src, tgt)
+    ref.float().square().mean().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.output_dtype = torch.bfloat16
+    out = model(src, tgt)
+    assert out.dtype == torch.bfloat16 and model.decode(tgt, *model.encode(src)).dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.02)
+    out.float().square().mean().backward()
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, ref_grads[n], atol=2e-3, rtol=0.05, msg=n)
+
+
 def test_parameter_count_matches_formula():
     """3+3 layers, d 256, FFN 1024, pre-norm, joint tied vocab of 8001: the peers' kit counts 7,578,880."""
     cfg = ModelConfig(d_model=256, heads=4, encoder_layers=3, decoder_layers=3, d_ff=1024, norm="pre")

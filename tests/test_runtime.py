@@ -36,14 +36,16 @@ def test_the_faster_precision_wins_and_the_random_stream_is_untouched(costs, fas
     torch.testing.assert_close(torch.rand(3), expected_next)  # the probe's draws did not shift the run's
 
 
-@pytest.mark.parametrize("bf16_seconds, chosen", [(0.5, "bf16"), (0.95, "fp32"), (1.2, "fp32")])
-def test_auto_takes_bf16_only_when_clearly_faster(monkeypatch, caplog, bf16_seconds, chosen):
+@pytest.mark.parametrize("bf16_seconds, output_seconds, chosen", [
+    (0.5, 0.8, "bf16"), (0.95, 0.97, "fp32"), (1.2, 1.1, "fp32"), (1.2, 0.8, "bf16-output"), (0.85, 0.7, "bf16-output")])
+def test_auto_takes_a_bf16_precision_only_when_clearly_faster(monkeypatch, caplog, bf16_seconds, output_seconds, chosen):
+    """The fastest of fp32, bf16 and bf16-output (fp32 with a bf16 output layer), but fp32 unless 10% slower."""
     from transformer_mt.config import ModelConfig, TrainConfig
     from transformer_mt.distributed import Dist
     from transformer_mt.model import Transformer
 
     monkeypatch.setattr(train_module, "fastest_cpu_precision",
-                        lambda step: ("x", {"fp32": 1.0, "bf16": bf16_seconds}))
+                        lambda step, **kw: ("x", {"fp32": 1.0, "bf16": bf16_seconds, "bf16-output": output_seconds}))
     model = Transformer(ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True)
     with caplog.at_level("INFO", logger="transformer_mt"):
         assert train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu")) == chosen
@@ -58,7 +60,8 @@ def test_the_probe_runs_a_real_training_step_in_each_precision():
     model = Transformer(ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert train_module.choose_cpu_precision(model, TrainConfig(max_tokens=200), Dist(), torch.device("cpu")) in (
-        "fp32", "bf16")
+        "fp32", "bf16", "bf16-output")
+    assert model.output_dtype is None  # the trainer sets it for the chosen precision, not the probe
     assert all(p.grad is None for p in model.parameters())  # no gradient left behind for the first update
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])  # and no weight changed

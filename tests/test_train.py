@@ -61,7 +61,7 @@ def tiny_config(tmp_path, **train):
         "model": {"d_model": 64, "heads": 4, "encoder_layers": 2, "decoder_layers": 2, "d_ff": 128,
                   "dropout": 0.0, "max_positions": 64},
         "train": {"max_tokens": 1024, "warmup": 60, "lr_factor": 1.0, "log_every": 50, "valid_every": 1000,
-                  "valid_bleu": False, "keep_last": 0, "seed": 3, **train},
+                  "valid_bleu": False, "keep_last": 0, "seed": 3, "precision": "fp32", **train},  # auto: timed
         "output_dir": str(tmp_path / "run"),
     })
 
@@ -211,6 +211,22 @@ def test_save_every_writes_step_checkpoints_between_validations(tmp_path):
     assert names == ["step_4.pt", "step_6.pt", "step_8.pt"]  # 2 was written, then pruned by keep_last
     averaged = torch.load(tmp_path / "run" / "checkpoints" / "averaged.pt", weights_only=True)
     assert averaged["averaged_steps"] == [4, 6, 8]
+
+
+def test_bf16_output_precision_trains_fp32_weights_and_decodes_in_fp32(tmp_path):
+    write_copy_corpus(tmp_path, n_train=200)
+    trainer = Trainer(tiny_config(tmp_path, max_steps=3, valid_every=3, precision="bf16-output", device="cpu"))
+    assert trainer.model.output_dtype == torch.bfloat16
+    batch, _ = next(trainer._batches())
+    assert trainer.model(batch.src, batch.tgt_in).dtype == torch.bfloat16  # the projection the loop trains
+    summary = trainer.train()
+    assert summary["steps"] == 3 and math.isfinite(summary["best_score"])
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["train_state"]["precision"] == "bf16-output"
+    assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
+    model, tokenizer, cfg, _ = load_for_inference(tmp_path / "run" / "checkpoints" / "last.pt")
+    translator = Translator(model, tokenizer, cfg.decode, precision=cfg.train.precision)
+    assert translator.precision == "fp32" and translator.model.output_dtype is None
 
 
 def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(tmp_path):

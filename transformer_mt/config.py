@@ -136,7 +136,8 @@ class TrainConfig:
     patience: int = 0  # stop after this many validations without a new best; 0 = never
     average_last: int = 0  # at the end, average the newest N step checkpoints (averaged.pt; best.pt if better)
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # bf16-output: fp32 with the output projection alone in bf16; auto on a CPU measures fp32, bf16 and it
+    precision: Literal["auto", "fp32", "bf16", "fp16", "bf16-output"] = "auto"
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     compile: bool = False  # torch.compile the model for training (checkpoints stay loadable without it)
 

@@ -322,6 +322,9 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
         if cfg.tie_embeddings:  # Sec. 3.4: the output projection shares the target embedding matrix
             self.generator.weight = self.tgt_embed.lut.weight
+        # Training may run the output projection alone in a lower precision (train.precision bf16-output):
+        # set by the trainer, not saved; decoding (decode_step) always projects in the model's own dtype.
+        self.output_dtype: Optional[torch.dtype] = None
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src (B, S) ids -> memory (B, S, d) and its padding mask (B, 1, 1, S)."""
@@ -348,7 +351,10 @@ class Transformer(nn.Module):
         """
         memory, src_mask = self.encode(src)
         h = self.decode(tgt_in, memory, src_mask)  # (B, T, d)
-        return self.generator(h)
+        if self.output_dtype is None:
+            return self.generator(h)
+        with torch.autocast(h.device.type, dtype=self.output_dtype):
+            return self.generator(h)  # (B, T, V) in output_dtype
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.decoder.layers))

@@ -17,6 +17,15 @@ from typing import Callable
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# A training precision besides those: fp32, except the output projection (tokens x vocabulary, the largest
+# matrix product of a small model), which runs in bf16 autocast (Transformer.output_dtype). On a CPU with
+# fast bf16 matrix units but slow bf16 everything-else it is the fastest of the three.
+BF16_OUTPUT = "bf16-output"
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype most of the model computes in under a resolved precision."""
+    return torch.float32 if precision == BF16_OUTPUT else DTYPES[precision]
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -40,8 +49,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Mixed-precision autocast for a resolved precision (fp32: none)."""
-    if precision == "fp32":
+    """Mixed-precision autocast for a resolved precision (fp32 and bf16-output: none)."""
+    if precision in ("fp32", BF16_OUTPUT):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
@@ -57,6 +66,8 @@ def inference_model(model: torch.nn.Module, precision: str, device: torch.device
     if precision == "int8":
         return quantize_linear(model), precision
     if precision == "fp16" and device.type != "cuda":  # a GPU fp16 run decoded elsewhere
+        precision = "fp32"
+    if precision == BF16_OUTPUT:  # its weights are fp32; the bf16 output layer only sped up training
         precision = "fp32"
     if next(model.parameters()).dtype != DTYPES[precision]:
         model = copy.deepcopy(model).to(DTYPES[precision])
@@ -77,17 +88,19 @@ def quantize_linear(model: torch.nn.Module) -> torch.nn.Module:
                                 dtype=torch.qint8)
 
 
-def fastest_cpu_precision(step: Callable[[str], None], repeats: int = 2) -> tuple[str, dict[str, float]]:
-    """fp32 or bf16, whichever runs `step(precision)` (one training step of the model) faster here, and the
-    seconds each took (the best of `repeats` after a warm-up). bf16 autocast is ~1.3x faster on CPUs whose
+def fastest_cpu_precision(step: Callable[[str], None], repeats: int = 2,
+                          candidates: tuple[str, ...] = ("fp32", "bf16")) -> tuple[str, dict[str, float]]:
+    """The candidate precision that runs `step(precision)` (one training step of the model) fastest here, and
+    the seconds each took (the best of `repeats` after a warm-up). bf16 autocast is ~1.3x faster on CPUs whose
     AMX units multiply bf16 (Intel Sapphire Rapids on), and can be slower where bf16 is emulated or only
-    converted (AVX512-BF16 without AMX): measuring beats guessing from CPU flags."""
+    converted (AVX512-BF16 without AMX), where bf16 for the output layer alone can still pay: measuring beats
+    guessing from CPU flags."""
     seconds: dict[str, float] = {}
     with torch.random.fork_rng(devices=[]):  # the probe's dropout must not shift the run's random stream
-        for precision in ("fp32", "bf16"):
+        for precision in candidates:
             step(precision)  # warm-up: first calls allocate and pick kernels
         for _ in range(repeats):
-            for precision in ("fp32", "bf16"):
+            for precision in candidates:
                 start = time.perf_counter()
                 step(precision)
                 seconds[precision] = min(seconds.get(precision, math.inf), time.perf_counter() - start)

@@ -36,8 +36,8 @@ from .distributed import (Dist, agree, agree_min, gathered_rng, global_sum, init
 from .errors import UserError
 from .metrics import score
 from .model import Transformer
-from .runtime import (DTYPES, autocast, fastest_cpu_precision, inference_model, keep_freed_memory, matmul_gflops,
-                      pick_device, resolve_precision)
+from .runtime import (BF16_OUTPUT, autocast, compute_dtype, fastest_cpu_precision, inference_model, keep_freed_memory,
+                      matmul_gflops, pick_device, resolve_precision)
 from .search import translate_ids
 from .tokenizer import Tokenizer, train_tokenizer
 from .vocab import PAD
@@ -81,6 +81,16 @@ class TrainState:
     precision: str = ""  # what the run trains in (precision auto's measured choice)
     cooldown_start: int = 0  # the lr decays linearly from update cooldown_start to ~0 at cooldown_end
     cooldown_end: int = 0  # (both 0: no cooldown); see Trainer.plan_cooldown
+
+    def cooldown(self) -> tuple[int, int]:
+        """The cooldown plan (start, end) that the schedule reads at every update, after a resume too."""
+        return self.cooldown_start, self.cooldown_end
+
+    def summary(self, reason: str, minutes: float, run_dir: Path, rank: int) -> dict[str, Any]:
+        """What `train` returns: how far the run got, why it stopped, its best validation."""
+        return {"steps": self.step, "epochs": self.epoch, "minutes": round(minutes, 2), "best_score": self.best_score,
+                "best_step": self.best_step, "target_tokens": self.target_tokens, "stopped": reason,
+                "run_dir": str(run_dir), "rank": rank}
 
     def record_validation(self, score: Optional[float]) -> bool:
         """Note this step's validation score; True if it is the best so far (always, with nothing to score)."""
@@ -194,25 +204,61 @@ def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device, str]:
     return d, device, resolve_precision(tc.precision, device)
 
 
+# From the most exact to the least: ranks that measured differently train in the most exact of their choices.
+CPU_PRECISIONS = ("fp32", BF16_OUTPUT, "bf16")
+
+
 def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device) -> str:
-    """precision auto on a CPU: time a training step of this model on a synthetic batch of 1,024 tokens in
-    fp32 and in bf16 autocast, and train in bf16 only when it is at least 10% faster (fp32 is exact, so
-    it wins near-ties and the choice does not flip on timing noise). Any rank's bf16 vote decides."""
+    """precision auto on a CPU: time a training step of this model on a synthetic batch of train.max_tokens
+    (at most 4,096) in fp32, in bf16 autocast and in fp32 with a bf16 output layer, and train in the fastest,
+    but in fp32 unless that is at least 10% faster (fp32 is exact, so it wins near-ties and the choice does
+    not flip on timing noise). A batch of the run's size: how much the output layer weighs depends on it."""
     vocab, T = model.generator.out_features, 24
-    ids = (torch.arange(max(1, min(tc.max_tokens, 1024) // T) * T) % (vocab - 4) + 4).view(-1, T).to(device)
+    ids = (torch.arange(max(1, min(tc.max_tokens, 4096) // T) * T) % (vocab - 4) + 4).view(-1, T).to(device)
 
     def step(precision: str) -> None:
+        model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
         with autocast(precision, device):
             logits = model(ids, ids)  # (B, T, V)
         label_smoothed_loss(logits, ids, tc.label_smoothing).backward()
         model.zero_grad(set_to_none=True)
 
-    _, seconds = fastest_cpu_precision(step)
-    (bf16,) = agree(d, device, seconds["bf16"] < 0.9 * seconds["fp32"])
-    choice = "bf16" if bf16 else "fp32"
-    log.info("precision auto: a training step took %.0f ms in fp32 and %.0f ms in bf16 on this CPU; training "
-             "in %s", 1000 * seconds["fp32"], 1000 * seconds["bf16"], choice)
+    _, seconds = fastest_cpu_precision(step, candidates=CPU_PRECISIONS)
+    model.output_dtype = None
+    fastest = min(seconds, key=seconds.get)
+    mine = fastest if seconds[fastest] < 0.9 * seconds["fp32"] else "fp32"
+    choice = CPU_PRECISIONS[agree_min(d, device, CPU_PRECISIONS.index(mine))]
+    log.info("precision auto: a training step took %s on this CPU; training in %s",
+             ", ".join(f"{1000 * s:.0f} ms in {p}" for p, s in seconds.items()), choice)
     return choice
+
+
+def set_up_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device, precision: str) -> str:
+    """The precision to train in (auto on a CPU: measured, not guessed from CPU flags); bf16-output sets the
+    model's output projection to bf16."""
+    if tc.precision == "auto" and device.type == "cpu":
+        precision = choose_cpu_precision(model, tc, d, device)
+    model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
+    return precision
+
+
+def cooldown_by_steps(tc: TrainConfig) -> tuple[int, int]:
+    """The cooldown's (start, end) updates without a time budget: the last `cooldown` of max_steps."""
+    if not tc.cooldown:
+        return 0, 0
+    return tc.max_steps - max(1, round(tc.cooldown * tc.max_steps)), tc.max_steps
+
+
+def plan_cooldown(state: TrainState, tc: TrainConfig, d: Dist, device: torch.device, minutes: float,
+                  steps_per_minute: float) -> int:
+    """Start the cooldown now, to end when the time budget does: the updates left are the budget's minutes
+    left at this run's rate (2% kept spare), at most max_steps. Every rank takes the same plan; returns its end."""
+    left = tc.max_minutes - minutes
+    end = min(tc.max_steps, state.step + max(1, int(0.98 * steps_per_minute * left)))
+    state.cooldown_start, state.cooldown_end = state.step, agree_min(d, device, end)
+    log.info("cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f updates/min, %.1f of "
+             "train.max_minutes=%g left)", state.step, state.cooldown_end, steps_per_minute, left, tc.max_minutes)
+    return state.cooldown_end
 
 
 # --------------------------------------------------------------------------- loop helpers
@@ -319,12 +365,10 @@ class Trainer:
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # BLEU scores the raw references
         self.model = Transformer(cfg.model, *self.tokenizer.sizes()).to(self.device)
-        if tc.precision == "auto" and self.device.type == "cpu":  # measured, not guessed from CPU flags
-            self.precision = choose_cpu_precision(self.model, tc, self.dist, self.device)
+        self.precision = set_up_precision(self.model, tc, self.dist, self.device, self.precision)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.state, self.writer = TrainState(), _NullWriter()  # the event writer opens when training starts
-        self.optimizer, self.scheduler = build_optimizer(  # the lr reads self.state's cooldown plan, resumed too
-            self.model, tc, self.device, lambda: (self.state.cooldown_start, self.state.cooldown_end))
+        self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device, lambda: self.state.cooldown())
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         if resume_from is not None:
             self._restore(resume_from)
@@ -372,7 +416,8 @@ class Trainer:
                     self.dist, self.device, self.minutes() >= budget, signals.caught is not None,
                     step < self.state.cooldown_start and self.minutes() >= (1 - tc.cooldown) * budget)
                 if cool:  # the time budget will end the run before max_steps: cool down over its last part
-                    self.plan_cooldown((step - first_step) / max(self.minutes() - first_minute, 1e-9), bar)
+                    rate = (step - first_step) / max(self.minutes() - first_minute, 1e-9)
+                    bar.total = plan_cooldown(self.state, tc, self.dist, self.device, self.minutes(), rate)
                 if step >= tc.max_steps:
                     reason = f"train.max_steps={tc.max_steps} reached"
                 elif step >= self.state.cooldown_end > 0:
@@ -394,34 +439,19 @@ class Trainer:
         bar.close()
         return self._finish(reason)
 
-    def plan_cooldown(self, steps_per_minute: float, bar: Optional[tqdm] = None) -> None:
-        """Start the cooldown now, to end when the time budget does: the updates left are the budget's
-        minutes left at this run's rate (2% kept spare), at most max_steps. Every rank takes the same plan."""
-        tc, step = self.cfg.train, self.state.step
-        left = tc.max_minutes - self.minutes()
-        end = min(tc.max_steps, step + max(1, int(0.98 * steps_per_minute * left)))
-        self.state.cooldown_start, self.state.cooldown_end = step, agree_min(self.dist, self.device, end)
-        if bar is not None:
-            bar.total = self.state.cooldown_end
-        log.info("cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f updates/min, "
-                 "%.1f of train.max_minutes=%g left)", step, self.state.cooldown_end, steps_per_minute, left,
-                 tc.max_minutes)
-
     def _start(self) -> tuple[tqdm, float]:
         """Open the event log (rank 0), say what is trained; the progress bar and the matmul GFLOP/s."""
         tc, main, self.state.precision = self.cfg.train, self.dist.main, self.precision
-        if tc.cooldown and not self.state.cooldown_end:  # by steps; the time budget may move it earlier
-            self.state.cooldown_end = tc.max_steps
-            self.state.cooldown_start = tc.max_steps - max(1, round(tc.cooldown * tc.max_steps))
+        if not self.state.cooldown_end:  # by steps; the time budget may move it earlier
+            self.state.cooldown_start, self.state.cooldown_end = cooldown_by_steps(tc)
         if main:
             from torch.utils.tensorboard import SummaryWriter  # imported late: slow, and only the loop needs it
-
             self.writer = SummaryWriter(str(self.run_dir / "tb"))
             describe_run(tc, self.dist, self.device, self.precision, self.model, self.data, len(self.epoch_batches(1)))
         m = self.cfg.model
-        bar = tqdm(total=self.state.cooldown_end or tc.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=1.0, disable=not main)
-        return bar, matmul_gflops(self.device, DTYPES[self.precision], 4096, m.d_model, m.d_ff)
+        bar = tqdm(total=self.state.cooldown_end or tc.max_steps, initial=self.state.step, desc="train", unit="step",
+                   dynamic_ncols=True, mininterval=1.0, disable=not main)
+        return bar, matmul_gflops(self.device, compute_dtype(self.precision), 4096, m.d_model, m.d_ff)
 
     def _report(self, meter: Meter, bar: tqdm, logged: bool) -> None:
         """Stop on a non-finite loss; on log steps, show and record loss, lr, tokens/s and MFU."""
@@ -452,21 +482,16 @@ class Trainer:
                 average_and_validate(self.run_dir, self.cfg.train.average_last, self.model, self.validation_metrics,
                                      self.state.best_score)
         self.writer.close()
-        return {"steps": self.state.step, "epochs": self.state.epoch, "minutes": round(self.minutes(), 2),
-                "best_score": self.state.best_score, "best_step": self.state.best_step,
-                "target_tokens": self.state.target_tokens, "stopped": reason, "run_dir": str(self.run_dir),
-                "rank": self.dist.rank}
+        return self.state.summary(reason, self.minutes(), self.run_dir, self.dist.rank)
 
     def minutes(self) -> float:
         """Training wall-clock so far (set-up included), summed over resumed runs."""
         return (self.state.seconds + time.perf_counter() - self.started) / 60
 
     def train_step(self, micro: list[Batch], global_tokens: Optional[int] = None) -> torch.Tensor:
-        """One optimizer update over `micro` batches; returns the summed loss (a device tensor).
-
-        The loss is normalised by the target tokens of the whole update over all ranks, known on the
-        host (no sync); DDP averages gradients over ranks, so each rank scales its share by the world size.
-        """
+        """One optimizer update over `micro` batches; returns the summed loss (a device tensor). The loss is normalised
+        by the update's target tokens over all ranks, known on the host (no sync); DDP averages gradients over
+        ranks, so each rank scales its share by the world size."""
         tc, world = self.cfg.train, self.dist.world
         n_tokens = global_tokens or sum(b.n_tgt_tokens for b in micro)
         total = torch.zeros((), device=self.device)
@@ -495,10 +520,8 @@ class Trainer:
         return validate(self.model, self.data, self.valid_refs, self.tokenizer, self.cfg, self.precision, self.device)
 
     def validate_and_save(self, bar: Optional[tqdm] = None) -> bool:
-        """Validate, write checkpoints (last, step_N, best), and say whether to stop early.
-
-        Under DDP rank 0 does this while the others wait; every rank learns the early-stop decision.
-        """
+        """Validate, write checkpoints (last, step_N, best), and say whether to stop early. Under DDP rank 0
+        does this while the others wait; every rank learns the early-stop decision."""
         rng = gathered_rng(self.dist)
         stop = False
         if self.dist.main:
@@ -518,9 +541,8 @@ class Trainer:
                                    train_state={**dataclasses.asdict(self.state), "seconds": self.minutes() * 60})
 
     def save(self, metrics: dict[str, float], *, best: bool = False, rng: Any = None) -> None:
-        """last.pt, step_N.pt and best.pt (when improved); `metrics` are this step's validation, or none.
-
-        Every rank calls it unless `rng` (all ranks' RNG states) is given; rank 0 writes."""
+        """last.pt, step_N.pt and best.pt (when improved); `metrics` are this step's validation, or none. Every
+        rank calls it unless `rng` (all ranks' RNG states) is given; rank 0 writes."""
         rng = gathered_rng(self.dist) if rng is None else rng
         if self.dist.main:
             save_rotating(self.run_dir, self._checkpoint(metrics, rng), best=best, keep_last=self.cfg.train.keep_last)
