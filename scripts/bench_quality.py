@@ -1,12 +1,13 @@
 """`make bench-quality`: the Multi30k recipe end to end, and an equal-budget comparison with fairseq.
 
-  recipe  tmt train configs/multi30k_en_de_local.yaml into a clean run directory, then
-          tmt evaluate on test_2016_flickr (beam 4): BLEU, chrF, TER with signatures, minutes, steps, tok/s.
-  budget  (--budget M) the recipe with M minutes of training (the same model as the peers'), beside
-          ../shared/peers/budget.sh fairseq M: BLEU and beam-4 decoding speed of both.
+  recipe  tmt train configs/multi30k_en_de_local.yaml into a clean run directory, then tmt evaluate on
+          test_2016_flickr (the recipe's beam): BLEU, chrF, TER with signatures, minutes, steps, tok/s.
+  budget  (--budget M) ours and ../shared/peers/budget.sh fairseq M with the peers' model, regularisation,
+          schedule and precision (BUDGET_SETTINGS): BLEU of the last and own-best checkpoints, beam-4 speed.
+  precision  (--fp32-steps N) when the recipe trained in bf16, the recipe in fp32 for N steps: validation
+          BLEU against the recipe run's at the same steps.
 
 Writes the `quality` section of BENCHMARKS.md and bench_quality.json.
-  precision  (--fp32-steps N) the recipe in fp32 for N steps: validation BLEU against the recipe run's (bf16).
 usage: python scripts/bench_quality.py [--recipe CONFIG] [--budget MINUTES] [--fp32-steps N] [--skip-recipe]
 """
 
@@ -61,12 +62,11 @@ def train_clean(config: str, run_dir: Path, overrides: list[str]) -> float:
 
 
 def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int | None = None,
-                       train: bool = True, max_len: tuple[float, int] | None = None) -> dict:
+                       train: bool = True) -> dict:
     """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr (with the
     run's own beam unless `beam` is given)."""
     minutes = train_clean(config, run_dir, overrides) if train else None
-    length = ["--max-len", *map(str, max_len)] if max_len else []
-    result = evaluate_test(ROOT / run_dir, *(["--beam", str(beam)] if beam else []), *length)
+    result = evaluate_test(ROOT / run_dir, *(["--beam", str(beam)] if beam else []))
     last = torch.load(ROOT / run_dir / "checkpoints" / "last.pt", weights_only=True)
     state = last["train_state"]
     result.update(train_minutes=minutes or round(state["seconds"] / 60, 1), steps=state["step"], epochs=state["epoch"],
@@ -182,10 +182,11 @@ def budget_race(config: str, minutes: float) -> list[dict]:
     out = run_peer("budget.sh", "fairseq", f"{minutes:g}", timeout=int(minutes * 60 + 1800))
     fs_run = PEERS_DIR / "runs" / f"fairseq_budget_{minutes:g}min"
     best = run_peer("decode_speed.sh", "fairseq", str(fs_run / "checkpoints" / "checkpoint_best.pt"), "64") if out else None
+    updates = fairseq_updates(fs_run / "train.log")
     for selection, name, r in (("last", "checkpoint_last.pt", out), ("own best", "checkpoint_best.pt", best)):
         if r:
             rows.append({"toolkit": "fairseq", "selection": selection, "checkpoint": name, "precision": "fp32",
-                         "steps": fairseq_updates(fs_run / "train.log"), "bleu": float(r["bleu"]),
+                         "steps": updates, "bleu": float(r["bleu"]),
                          "decode_sent_per_s": float(r["decode_sent_per_s"]), "signature": r.get("signature", "")})
     return rows
 
@@ -288,9 +289,6 @@ def main() -> int:
         record_experiment(res, args.recipe, Path(run_dir), res["recipe"])
         log(f"recipe: BLEU {res['recipe']['bleu']} in {res['recipe']['train_minutes']} min")
     if args.budget:
-        # The recipe (the same 3+3, d 256, 8k-vocabulary model as the peers) with the peers' training settings
-        # (dropout 0.1, 200 warm-up updates to a 1e-3 peak) and an M-minute budget: only the toolkit differs.
-        # Both then decode beam 4 with length penalty 1.0 and fairseq-generate's max length (0 x src + 200).
         res["budget"] = {"minutes": args.budget, "rows": budget_race(args.recipe, args.budget)}
     if args.fp32_steps:
         res.pop("precision", None)

@@ -80,7 +80,7 @@ class TrainState:
     seconds: float = 0.0  # training wall-clock of earlier (resumed-from) runs
     precision: str = ""  # what the run trains in (precision auto's measured choice)
     cooldown_start: int = 0  # the lr decays linearly from update cooldown_start to ~0 at cooldown_end
-    cooldown_end: int = 0  # (both 0: no cooldown); see Trainer.plan_cooldown
+    cooldown_end: int = 0  # (both 0: no cooldown); see cooldown_by_steps and plan_cooldown
 
     def cooldown(self) -> tuple[int, int]:
         """The cooldown plan (start, end) that the schedule reads at every update, after a resume too."""
@@ -223,9 +223,8 @@ def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: t
         label_smoothed_loss(logits, ids, tc.label_smoothing).backward()
         model.zero_grad(set_to_none=True)
 
-    _, seconds = fastest_cpu_precision(step, candidates=CPU_PRECISIONS)
+    fastest, seconds = fastest_cpu_precision(step, candidates=CPU_PRECISIONS)
     model.output_dtype = None
-    fastest = min(seconds, key=seconds.get)
     mine = fastest if seconds[fastest] < 0.9 * seconds["fp32"] else "fp32"
     choice = CPU_PRECISIONS[agree_min(d, device, CPU_PRECISIONS.index(mine))]
     log.info("precision auto: a training step took %s on this CPU; training in %s",
@@ -411,13 +410,13 @@ class Trainer:
                 self.state.target_tokens += tokens
                 bar.update(1)
                 step = self.state.step
-                budget = tc.max_minutes or math.inf
-                out_of_time, interrupted, cool = agree(
-                    self.dist, self.device, self.minutes() >= budget, signals.caught is not None,
-                    step < self.state.cooldown_start and self.minutes() >= (1 - tc.cooldown) * budget)
+                now, budget = self.minutes(), tc.max_minutes or math.inf
+                cooling_due = step < self.state.cooldown_start and now >= (1 - tc.cooldown) * budget
+                out_of_time, interrupted, cool = agree(self.dist, self.device, now >= budget, signals.caught is not None,
+                                                       cooling_due)
                 if cool:  # the time budget will end the run before max_steps: cool down over its last part
-                    rate = (step - first_step) / max(self.minutes() - first_minute, 1e-9)
-                    bar.total = plan_cooldown(self.state, tc, self.dist, self.device, self.minutes(), rate)
+                    rate = (step - first_step) / max(now - first_minute, 1e-9)
+                    bar.total = plan_cooldown(self.state, tc, self.dist, self.device, now, rate)
                 if step >= tc.max_steps:
                     reason = f"train.max_steps={tc.max_steps} reached"
                 elif step >= self.state.cooldown_end > 0:
