@@ -68,6 +68,7 @@ def write_config(folder: Path, corpus: Path, output_dir: Path, extra: str = "") 
           max_tokens: 1024
           warmup: 10
           device: cpu
+          precision: fp32  # not auto: a timing probe must not decide what the shared tiny model outputs
         decode:
           beam: 2
           max_len_b: 5

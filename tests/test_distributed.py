@@ -33,7 +33,7 @@ def write_setup(root: Path, run: str, extra: str = "") -> Path:
         model: {{d_model: 32, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 64, dropout: 0.0,
                  max_positions: 64}}
         train: {{max_steps: 4, valid_every: 4, log_every: 2, max_tokens: 300, warmup: 4, threads: 1,
-                 valid_bleu: false, device: cpu, seed: 5, adam_eps: 1.0{extra}}}
+                 valid_bleu: false, device: cpu, precision: fp32, seed: 5, adam_eps: 1.0{extra}}}
         output_dir: {root / run}
         """))
     return cfg

@@ -35,7 +35,7 @@ def write_corpus(folder: Path, n_train: int = 300, seed: int = 0) -> Path:
 
 def write_config(path: Path, corpus: Path, run: Path, **train) -> Path:
     settings = {"max_steps": 60, "valid_every": 10, "log_every": 5, "max_tokens": 512, "warmup": 10,
-                "threads": 1, "keep_last": 2, "device": "cpu", **train}
+                "threads": 1, "keep_last": 2, "device": "cpu", "precision": "fp32", **train}  # auto: timed
     path.write_text(textwrap.dedent(f"""\
         data: {{src_lang: en, tgt_lang: de, train: {corpus}/train, valid: {corpus}/valid, test: {corpus}/test}}
         tokenizer: {{vocab_size: 60}}
