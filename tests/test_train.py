@@ -255,3 +255,24 @@ def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(t
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
     resumed.train_step([batch], tokens)  # and a finite gradient updates the weights again
     assert any(not torch.equal(v, before[k]) for k, v in resumed.model.state_dict().items())
+
+
+def test_a_resumed_auto_run_keeps_the_precision_it_began_in(tmp_path, monkeypatch):
+    """precision auto is measured once, at the run's start: a resume whose probe would now choose otherwise
+    trains on in the checkpoint's precision, so one run never mixes two."""
+    import transformer_mt.train as train_module
+    write_copy_corpus(tmp_path, n_train=200)
+    cfg = tiny_config(tmp_path, max_steps=2, valid_every=2, precision="auto", device="cpu")
+    probes = []
+    monkeypatch.setattr(train_module, "choose_cpu_precision", lambda *a: probes.append(1) or "bf16-output")
+    Trainer(cfg).train()
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]["precision"] \
+        == "bf16-output"
+    monkeypatch.setattr(train_module, "choose_cpu_precision", lambda *a: probes.append(1) or "fp32")
+    resumed = Trainer(config_from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "max_steps": 3}}),
+                      resume=True)
+    assert len(probes) == 1  # measured once
+    assert resumed.precision == "bf16-output" and resumed.model.output_dtype == torch.bfloat16
+    assert resumed.train()["steps"] == 3
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]["precision"] \
+        == "bf16-output"

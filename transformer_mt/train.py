@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpoint import (CheckpointError, average_checkpoints, restore_training, save_checkpoint, save_rotating,
-                         step_checkpoints, step_of, training_checkpoint, validation_score)
+from .checkpoint import (CheckpointError, average_checkpoints, load_checkpoint, restore_training, save_checkpoint,
+                         save_rotating, step_checkpoints, step_of, training_checkpoint, validation_score)
 from .config import Config, DecodeConfig, TrainConfig, save_config
 from .data import (Batch, DataError, TokenizedCorpus, cache_dir, collate, iter_split, load_tokenized, make_batches,
                    read_split, usable_indices)
@@ -232,10 +232,15 @@ def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: t
     return choice
 
 
-def set_up_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device, precision: str) -> str:
-    """The precision to train in (auto on a CPU: measured, not guessed from CPU flags); bf16-output sets the
-    model's output projection to bf16."""
-    if tc.precision == "auto" and device.type == "cpu":
+def set_up_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device, precision: str,
+                     resume_from: Optional[Path] = None) -> str:
+    """The precision to train in (auto on a CPU: measured, not guessed from CPU flags; a resumed auto run keeps
+    the one it began in, so one run never mixes two); bf16-output sets the model's output projection to bf16."""
+    resumed = load_checkpoint(resume_from)["train_state"].get("precision", "") if resume_from is not None else ""
+    if tc.precision == "auto" and resumed:
+        precision = resumed
+        log.info("precision auto: %s, as the run being resumed trained in", precision)
+    elif tc.precision == "auto" and device.type == "cpu":
         precision = choose_cpu_precision(model, tc, d, device)
     model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
     return precision
@@ -364,7 +369,7 @@ class Trainer:
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # BLEU scores the raw references
         self.model = Transformer(cfg.model, *self.tokenizer.sizes()).to(self.device)
-        self.precision = set_up_precision(self.model, tc, self.dist, self.device, self.precision)
+        self.precision = set_up_precision(self.model, tc, self.dist, self.device, self.precision, resume_from)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.state, self.writer = TrainState(), _NullWriter()  # the event writer opens when training starts
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device, lambda: self.state.cooldown())
