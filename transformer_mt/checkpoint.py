@@ -143,10 +143,10 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, tokenizer: To
 
 def restore_training(path: Path, *, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: Any,
                      scaler: Any, cfg: Config, tokenizer: Tokenizer, run_dir: Path,
-                     device: torch.device) -> dict[str, Any]:
-    """Load a training checkpoint into the model, optimizer, schedule and grad scaler, after the resume
-    checks; returns it (the caller restores its train_state and rng)."""
-    ckpt = load_checkpoint(path, map_location=device)
+                     device: torch.device, ckpt: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Load a training checkpoint (or take `ckpt`, already loaded from `path`) into the model, optimizer, schedule
+    and grad scaler, after the resume checks; returns it (the caller restores its train_state and rng)."""
+    ckpt = ckpt if ckpt is not None else load_checkpoint(path, map_location=device)
     check_resumable(ckpt, path, cfg, tokenizer, run_dir)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])

@@ -233,10 +233,10 @@ def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: t
 
 
 def set_up_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device, precision: str,
-                     resume_from: Optional[Path] = None) -> str:
+                     resumed_ckpt: Optional[dict[str, Any]] = None) -> str:
     """The precision to train in (auto on a CPU: measured, not guessed from CPU flags; a resumed auto run keeps
     the one it began in, so one run never mixes two); bf16-output sets the model's output projection to bf16."""
-    resumed = load_checkpoint(resume_from)["train_state"].get("precision", "") if resume_from is not None else ""
+    resumed = resumed_ckpt["train_state"].get("precision", "") if resumed_ckpt is not None else ""
     if tc.precision == "auto" and resumed:
         precision = resumed
         log.info("precision auto: %s, as the run being resumed trained in", precision)
@@ -369,19 +369,19 @@ class Trainer:
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # BLEU scores the raw references
         self.model = Transformer(cfg.model, *self.tokenizer.sizes()).to(self.device)
-        self.precision = set_up_precision(self.model, tc, self.dist, self.device, self.precision, resume_from)
+        resumed = load_checkpoint(resume_from, map_location=self.device) if resume_from is not None else None
+        self.precision = set_up_precision(self.model, tc, self.dist, self.device, self.precision, resumed)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.state, self.writer = TrainState(), _NullWriter()  # the event writer opens when training starts
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device, lambda: self.state.cooldown())
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        if resume_from is not None:
-            self._restore(resume_from)
+        if resumed is not None:
+            self._restore(resume_from, resumed)
 
-    def _restore(self, path: Path) -> None:
+    def _restore(self, path: Path, ckpt: dict[str, Any]) -> None:
         """Model, optimizer, schedule, scaler, loop position and every RNG, as they were when saved."""
-        ckpt = restore_training(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                scaler=self.scaler, cfg=self.cfg, tokenizer=self.tokenizer, run_dir=self.run_dir,
-                                device=self.device)
+        restore_training(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                         cfg=self.cfg, tokenizer=self.tokenizer, run_dir=self.run_dir, device=self.device, ckpt=ckpt)
         self.state = TrainState(**ckpt["train_state"])
         if not restore_rng(self.dist, ckpt["rng"]):
             log.warning("resuming with %d processes from another number: random streams will differ", self.dist.world)
