@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench import MULTI30K, PEERS_DIR, evaluate_test, peers_ready, run_peer  # noqa: E402
 from benchlib import cpu_model, replace_section  # noqa: E402
+from transformer_mt.checkpoint import step_checkpoints  # noqa: E402
 
 TMT = [sys.executable, "-m", "transformer_mt"]
 
@@ -51,29 +53,88 @@ BUDGET_SETTINGS = [
     "train.precision=fp32", "train.average_last=0", "train.max_steps=100000"]
 
 
-def train_clean(config: str, run_dir: Path, overrides: list[str]) -> float:
-    """`tmt train CONFIG` into a fresh run directory with --set overrides; returns the wall-clock minutes."""
+def train_clean(config: str, run_dir: Path, overrides: list[str], marks: tuple[float, ...] = ()) -> float:
+    """`tmt train CONFIG` into a fresh run directory with --set overrides; returns the wall-clock minutes.
+    With `marks`, the newest step checkpoint is copied as each mark (minutes from launch) passes (Snapshots)."""
     shutil.rmtree(ROOT / run_dir, ignore_errors=True)
     sets = [a for o in [f"output_dir={run_dir}", *overrides] for a in ("--set", o)]
     log(f"training {config} into {run_dir}")
     t0 = time.perf_counter()
-    subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
+    with Snapshots(ROOT / run_dir, marks):
+        subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
     return round((time.perf_counter() - t0) / 60, 1)
+
+
+class Snapshots:
+    """While a run trains, copy its newest step checkpoint to checkpoints/at_{M}min.pt as each mark M (minutes
+    from launch, set-up included, as the run's time budget counts) passes: the run keeps only its last few step
+    checkpoints, and the test BLEU reached by 20 and 40 minutes is scored from these copies afterwards."""
+
+    def __init__(self, run_dir: Path, marks: tuple[float, ...], poll_seconds: float = 2.0):
+        self.run_dir, self.marks, self.poll = run_dir, sorted(marks), poll_seconds
+        self.taken: dict[float, Path] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "Snapshots":
+        self.started = time.perf_counter()
+        if self.marks:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll):
+            self.take((time.perf_counter() - self.started) / 60)
+
+    def take(self, minutes: float) -> None:
+        """Copy the newest step checkpoint for every mark passed by `minutes` and not yet taken."""
+        for mark in (m for m in self.marks if m <= minutes and m not in self.taken):
+            steps = step_checkpoints(self.run_dir)
+            if not steps:
+                continue  # nothing saved yet: try again at the next poll
+            dest = self.run_dir / "checkpoints" / f"at_{mark:g}min.pt"
+            shutil.copyfile(steps[-1], dest.with_suffix(".tmp"))
+            dest.with_suffix(".tmp").replace(dest)
+            self.taken[mark] = dest
 
 
 def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: int | None = None,
                        train: bool = True) -> dict:
     """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr (with the
     run's own beam unless `beam` is given)."""
-    minutes = train_clean(config, run_dir, overrides) if train else None
-    result = evaluate_test(ROOT / run_dir, *(["--beam", str(beam)] if beam else []))
+    minutes = train_clean(config, run_dir, overrides, marks=TEST_MARKS) if train else None
+    flags = ["--beam", str(beam)] if beam else []
+    result = evaluate_test(ROOT / run_dir, *flags)
     last = torch.load(ROOT / run_dir / "checkpoints" / "last.pt", weights_only=True)
     state = last["train_state"]
     result.update(train_minutes=minutes or round(state["seconds"] / 60, 1), steps=state["step"], epochs=state["epoch"],
                   tgt_tok_per_s=round(state["target_tokens"] / max(state["seconds"], 1e-9)),
                   evaluated=Path(result["checkpoint"]).name, trained_precision=state.get("precision") or "?",
-                  valid_bleu_by_minute=valid_bleu_by_minute(ROOT / run_dir))
+                  valid_bleu_by_minute=valid_bleu_by_minute(ROOT / run_dir),
+                  test_bleu_by_minute=test_bleu_by_minute(ROOT / run_dir, result, flags))
     return result
+
+
+# Minutes from launch at which the recipe's newest step checkpoint is kept and scored on test (the end is the third).
+TEST_MARKS = (20.0, 40.0)
+
+
+def test_bleu_by_minute(run_dir: Path, final: dict, flags: list[str]) -> dict[str, dict]:
+    """Both BLEUs on test of the snapshots at each mark (the newest step checkpoint then, unaveraged), and of the
+    checkpoint the recipe selected at the end, keyed by minute ("end")."""
+    out = {}
+    for mark in TEST_MARKS:
+        path = run_dir / "checkpoints" / f"at_{mark:g}min.pt"
+        if path.exists():
+            r = evaluate_test(path, *flags)
+            out[f"{mark:g}"] = {"step": r["step"], "bleu": r["bleu"], "tokenized_bleu": r.get("tokenized_bleu")}
+    out["end"] = {"step": final["step"], "bleu": final["bleu"], "tokenized_bleu": final.get("tokenized_bleu")}
+    return out
 
 
 def valid_bleu_by_minute(run_dir: Path, marks: tuple[int, ...] = (20, 40, 60)) -> dict[str, float]:
@@ -115,6 +176,13 @@ def report(res: dict) -> str:
         if "tokenized_bleu" in r:
             lines += [f"Beside it, the literature's measure: **tokenized BLEU {r['tokenized_bleu']:.2f}** (sacreBLEU "
                       f"{r['bleu']:.2f}), {r['tokenized_bleu_description']}.", ""]
+        if r.get("test_bleu_by_minute"):
+            lines += ["Test BLEU on the way (the newest step checkpoint as each mark passed, minutes from launch with "
+                      f"set-up, not averaged; beam {r['beam']}), as sacreBLEU / tokenized BLEU: "
+                      + "; ".join(f"{m} min (step {v['step']:,}): {v['bleu']:.2f} / {v['tokenized_bleu']:.2f}"
+                                  for m, v in r["test_bleu_by_minute"].items() if m != "end")
+                      + f"; the end ({r['evaluated']}, step {r['step']:,}): {r['bleu']:.2f} / "
+                      f"{r['tokenized_bleu']:.2f}.", ""]
         if r.get("valid_bleu_by_minute"):
             lines += ["Validation BLEU (greedy, whole dev set) of the last validation by each mark: "
                       + "; ".join(f"{m} min: {b}" for m, b in r["valid_bleu_by_minute"].items()) + ".", ""]

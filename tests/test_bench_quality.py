@@ -1,0 +1,55 @@
+"""scripts/bench_quality.py: the checkpoints it keeps on the way, and the report it writes from them."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_quality  # noqa: E402
+
+
+def write_step(run_dir: Path, step: int) -> None:
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints" / f"step_{step}.pt").write_text(f"weights of step {step}")
+
+
+def test_each_mark_keeps_the_newest_step_checkpoint_once(tmp_path):
+    snaps = bench_quality.Snapshots(tmp_path, (40.0, 20.0))
+    snaps.take(21.0)  # nothing saved yet: the mark stays open
+    assert snaps.taken == {}
+    write_step(tmp_path, 250)
+    write_step(tmp_path, 1000)  # newest by step number, not by name
+    write_step(tmp_path, 500)
+    snaps.take(21.0)
+    assert (tmp_path / "checkpoints" / "at_20min.pt").read_text() == "weights of step 1000"
+    assert list(snaps.taken) == [20.0]
+    write_step(tmp_path, 1250)
+    snaps.take(39.0)  # 20 is taken already, 40 has not passed
+    assert (tmp_path / "checkpoints" / "at_20min.pt").read_text() == "weights of step 1000"
+    assert not (tmp_path / "checkpoints" / "at_40min.pt").exists()
+    snaps.take(40.5)
+    assert (tmp_path / "checkpoints" / "at_40min.pt").read_text() == "weights of step 1250"
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_the_watcher_thread_takes_a_mark_while_the_run_trains(tmp_path):
+    write_step(tmp_path, 100)
+    with bench_quality.Snapshots(tmp_path, (0.0,), poll_seconds=0.01) as snaps:
+        for _ in range(500):
+            if snaps.taken:
+                break
+            __import__("time").sleep(0.01)
+    assert (tmp_path / "checkpoints" / "at_0min.pt").read_text() == "weights of step 100"
+
+
+def test_the_report_gives_test_bleu_at_each_mark_and_at_the_end():
+    recipe = {"beam": 5, "bleu": 41.0, "tokenized_bleu": 41.6, "chrf": 65.0, "ter": 44.0, "train_minutes": 58.0,
+              "steps": 10000, "step": 10000, "epochs": 41, "tgt_tok_per_s": 5600, "sentences_per_second": 110,
+              "evaluated": "best.pt", "bleu_signature": "s", "chrf_signature": "c", "ter_signature": "t",
+              "tokenized_bleu_description": "d",
+              "test_bleu_by_minute": {"20": {"step": 3100, "bleu": 30.5, "tokenized_bleu": 31.25},
+                                      "40": {"step": 6600, "bleu": 37.0, "tokenized_bleu": 37.5},
+                                      "end": {"step": 10000, "bleu": 41.0, "tokenized_bleu": 41.6}}}
+    text = bench_quality.report({"recipe": recipe, "recipe_config": "c.yaml", "date": "2026-11-23", "cpu": "X"})
+    assert ("20 min (step 3,100): 30.50 / 31.25; 40 min (step 6,600): 37.00 / 37.50; "
+            "the end (best.pt, step 10,000): 41.00 / 41.60.") in text
