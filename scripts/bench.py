@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import cpu_model, replace_section  # noqa: E402
+from benchlib import cpu_bf16, cpu_model, replace_section  # noqa: E402
 from transformer_mt.config import config_from_dict  # noqa: E402
 from transformer_mt.data import Batch, collate, make_batches  # noqa: E402
 from transformer_mt.runtime import DTYPES, matmul_gflops  # noqa: E402
@@ -277,6 +277,14 @@ def fastest_sentence(res: dict) -> str:
             f"{ours[best]:,.0f} target tok/s, fairseq fp32 {fs:,.0f}: {ours[best] / fs:.2f}× fairseq.")
 
 
+def ceiling_sentence(res: dict) -> str:
+    """How the two matmul ceilings compare on this CPU, and what runs its bf16 products, from the run's figures."""
+    peak, unit = res["matmul_gflops"], res.get("cpu_bf16")
+    what = {"AMX": "its AMX tiles", "AVX512-BF16": "AVX512-BF16, no AMX", "none": "no bf16 matrix instructions"}
+    return (f"On this CPU ({what.get(unit, 'bf16 support not recorded')}) the bf16 ceiling is "
+            f"{peak['bf16'] / peak['fp32']:.1f}× the fp32 one, so the table gives MFU against both.")
+
+
 def write_report(res: dict, path: Path) -> None:
     t = res["training"]
     peak = res["matmul_gflops"]
@@ -316,9 +324,7 @@ def write_report(res: dict, path: Path) -> None:
         f"bf16 {peak['bf16']:,.0f} GFLOP/s. FLOPs: {res['flops_per_tgt_token'] / 1e6:.1f} M per target token, "
         "counted on real tokens (2 per multiply-add of each weight matrix a token meets, plus attention "
         "scores and sums, the causal half for decoder self-attention; training = 3 × forward; "
-        "`Transformer.train_flops`). The bf16 ceiling comes from the largest shape (the 8k-vocabulary "
-        "projection), which this CPU's AMX tiles run far faster than the model's 256-wide matrices, so the table "
-        "gives MFU against both ceilings. Peers: the kit's `train_throughput.sh` (their own batches of the "
+        "`Transformer.train_flops`). " + ceiling_sentence(res) + " Peers: the kit's `train_throughput.sh` (their own batches of the "
         "same size and data), median of the rounds: "
         + "; ".join(f"{p} {', '.join(f'{x:,.0f}' for x in v.get('runs', [v['tok_s']]))}"
                     for p, v in res.get("peers", {}).items()) + "." if res.get("peers") else "",
@@ -433,7 +439,8 @@ def main() -> int:
         log(f"skipped: the benchmark corpus {MULTI30K} is not here (it ships in ../shared)")
         return 0
 
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cpu_bf16": cpu_bf16(),
+                 "machine": f"{cpu_model()}, {platform.machine()} {os.cpu_count()} CPUs",
                  "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
                  "steps": args.steps, "warmup": args.warmup, "notes": []}
     log("matmul ceiling")

@@ -20,6 +20,15 @@ def replace_section(path: Path, name: str, text: str) -> None:
     path.write_text(doc, encoding="utf-8")
 
 
+def cpu_bf16() -> str:
+    """What runs bf16 matrix products on this CPU, from /proc/cpuinfo's flags: "AMX", "AVX512-BF16" or "none"."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "none"
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout

@@ -1,10 +1,12 @@
-"""scripts/bench_quality.py: the checkpoints it keeps on the way, and the report it writes from them."""
+"""The benchmark scripts' own logic: the checkpoints bench_quality.py keeps on the way, and sentences the
+reports compute from their figures."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench  # noqa: E402
 import bench_quality  # noqa: E402
 
 
@@ -53,3 +55,11 @@ def test_the_report_gives_test_bleu_at_each_mark_and_at_the_end():
     text = bench_quality.report({"recipe": recipe, "recipe_config": "c.yaml", "date": "2026-11-23", "cpu": "X"})
     assert ("20 min (step 3,100): 30.50 / 31.25; 40 min (step 6,600): 37.00 / 37.50; "
             "the end (best.pt, step 10,000): 41.00 / 41.60.") in text
+
+
+def test_the_ceiling_sentence_is_computed_from_the_run_and_names_what_runs_bf16():
+    amd = bench.ceiling_sentence({"matmul_gflops": {"fp32": 124.0, "bf16": 360.0}, "cpu_bf16": "AVX512-BF16"})
+    assert "AVX512-BF16, no AMX" in amd and "2.9× the fp32 one" in amd  # 360 / 124 = 2.90
+    intel = bench.ceiling_sentence({"matmul_gflops": {"fp32": 279.0, "bf16": 2271.0}, "cpu_bf16": "AMX"})
+    assert "AMX tiles" in intel and "8.1× the fp32 one" in intel  # 2271 / 279 = 8.14
+    assert "not recorded" in bench.ceiling_sentence({"matmul_gflops": {"fp32": 1.0, "bf16": 1.0}})
