@@ -324,8 +324,8 @@ def write_report(res: dict, path: Path) -> None:
         f"bf16 {peak['bf16']:,.0f} GFLOP/s. FLOPs: {res['flops_per_tgt_token'] / 1e6:.1f} M per target token, "
         "counted on real tokens (2 per multiply-add of each weight matrix a token meets, plus attention "
         "scores and sums, the causal half for decoder self-attention; training = 3 × forward; "
-        "`Transformer.train_flops`). " + ceiling_sentence(res) + " Peers: the kit's `train_throughput.sh` (their own batches of the "
-        "same size and data), median of the rounds: "
+        "`Transformer.train_flops`). " + ceiling_sentence(res) + " Peers: the kit's `train_throughput.sh` (their "
+        "own batches of the same size and data), median of the rounds: "
         + "; ".join(f"{p} {', '.join(f'{x:,.0f}' for x in v.get('runs', [v['tok_s']]))}"
                     for p, v in res.get("peers", {}).items()) + "." if res.get("peers") else "",
         "",
@@ -439,8 +439,9 @@ def main() -> int:
         log(f"skipped: the benchmark corpus {MULTI30K} is not here (it ships in ../shared)")
         return 0
 
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cpu_bf16": cpu_bf16(),
-                 "machine": f"{cpu_model()}, {platform.machine()} {os.cpu_count()} CPUs",
+    cpu = cpu_model()
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "cpu_bf16": cpu_bf16(),
+                 "machine": f"{cpu}, {platform.machine()} {os.cpu_count()} CPUs",
                  "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
                  "steps": args.steps, "warmup": args.warmup, "notes": []}
     log("matmul ceiling")

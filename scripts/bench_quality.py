@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench import MULTI30K, PEERS_DIR, evaluate_test, peers_ready, run_peer  # noqa: E402
 from benchlib import cpu_model, replace_section  # noqa: E402
 from transformer_mt.checkpoint import step_checkpoints  # noqa: E402
+from transformer_mt.fileio import atomic_write  # noqa: E402
 
 TMT = [sys.executable, "-m", "transformer_mt"]
 
@@ -93,13 +94,12 @@ class Snapshots:
 
     def take(self, minutes: float) -> None:
         """Copy the newest step checkpoint for every mark passed by `minutes` and not yet taken."""
-        for mark in (m for m in self.marks if m <= minutes and m not in self.taken):
-            steps = step_checkpoints(self.run_dir)
-            if not steps:
-                continue  # nothing saved yet: try again at the next poll
+        due = [m for m in self.marks if m <= minutes and m not in self.taken]
+        steps = step_checkpoints(self.run_dir) if due else []
+        for mark in due if steps else ():  # nothing saved yet: try again at the next poll
             dest = self.run_dir / "checkpoints" / f"at_{mark:g}min.pt"
-            shutil.copyfile(steps[-1], dest.with_suffix(".tmp"))
-            dest.with_suffix(".tmp").replace(dest)
+            with open(steps[-1], "rb") as src:
+                atomic_write(dest, lambda f: shutil.copyfileobj(src, f))
             self.taken[mark] = dest
 
 
@@ -116,7 +116,7 @@ def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: i
                   tgt_tok_per_s=round(state["target_tokens"] / max(state["seconds"], 1e-9)),
                   evaluated=Path(result["checkpoint"]).name, trained_precision=state.get("precision") or "?",
                   valid_bleu_by_minute=valid_bleu_by_minute(ROOT / run_dir),
-                  test_bleu_by_minute=test_bleu_by_minute(ROOT / run_dir, result, flags))
+                  test_bleu_by_minute=test_bleu_by_minute(ROOT / run_dir, flags))
     return result
 
 
@@ -124,17 +124,21 @@ def train_and_evaluate(config: str, run_dir: Path, overrides: list[str], beam: i
 TEST_MARKS = (20.0, 40.0)
 
 
-def test_bleu_by_minute(run_dir: Path, final: dict, flags: list[str]) -> dict[str, dict]:
-    """Both BLEUs on test of the snapshots at each mark (the newest step checkpoint then, unaveraged), and of the
-    checkpoint the recipe selected at the end, keyed by minute ("end")."""
+def test_bleu_by_minute(run_dir: Path, flags: list[str]) -> dict[str, dict]:
+    """Test BLEU (and tokenized BLEU where the evaluation gives it) of the snapshot taken at each mark (the newest
+    step checkpoint then, unaveraged), keyed by minute; the end is the run's own result."""
     out = {}
     for mark in TEST_MARKS:
         path = run_dir / "checkpoints" / f"at_{mark:g}min.pt"
         if path.exists():
             r = evaluate_test(path, *flags)
-            out[f"{mark:g}"] = {"step": r["step"], "bleu": r["bleu"], "tokenized_bleu": r.get("tokenized_bleu")}
-    out["end"] = {"step": final["step"], "bleu": final["bleu"], "tokenized_bleu": final.get("tokenized_bleu")}
+            out[f"{mark:g}"] = {k: r[k] for k in ("step", "bleu", "tokenized_bleu") if k in r}
     return out
+
+
+def both_bleus(r: dict) -> str:
+    """"sacreBLEU / tokenized BLEU", or sacreBLEU alone when the evaluation gave no tokenized BLEU."""
+    return f"{r['bleu']:.2f}" + (f" / {r['tokenized_bleu']:.2f}" if "tokenized_bleu" in r else "")
 
 
 def valid_bleu_by_minute(run_dir: Path, marks: tuple[int, ...] = (20, 40, 60)) -> dict[str, float]:
@@ -179,10 +183,9 @@ def report(res: dict) -> str:
         if r.get("test_bleu_by_minute"):
             lines += ["Test BLEU on the way (the newest step checkpoint as each mark passed, minutes from launch with "
                       f"set-up, not averaged; beam {r['beam']}), as sacreBLEU / tokenized BLEU: "
-                      + "; ".join(f"{m} min (step {v['step']:,}): {v['bleu']:.2f} / {v['tokenized_bleu']:.2f}"
-                                  for m, v in r["test_bleu_by_minute"].items() if m != "end")
-                      + f"; the end ({r['evaluated']}, step {r['step']:,}): {r['bleu']:.2f} / "
-                      f"{r['tokenized_bleu']:.2f}.", ""]
+                      + "; ".join(f"{m} min (step {v['step']:,}): {both_bleus(v)}"
+                                  for m, v in r["test_bleu_by_minute"].items())
+                      + f"; the end ({r['evaluated']}, step {r['step']:,}): {both_bleus(r)}.", ""]
         if r.get("valid_bleu_by_minute"):
             lines += ["Validation BLEU (greedy, whole dev set) of the last validation by each mark: "
                       + "; ".join(f"{m} min: {b}" for m, b in r["valid_bleu_by_minute"].items()) + ".", ""]
