@@ -38,6 +38,7 @@ test-browser: install
 bench: install
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_serve.py
+	$(PY) scripts/soak_serve.py
 	$(PY) scripts/bench_allocator.py
 
 # The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.

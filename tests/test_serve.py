@@ -1,5 +1,9 @@
 """`tmt serve` through a real uvicorn server on a free loopback port: every endpoint, every refusal,
-batching that changes no output, a graceful SIGTERM, and (marked browser) the page in headless Chromium."""
+batching that changes no output, a graceful SIGTERM, and (marked browser) the page in headless Chromium.
+
+Where a test needs the model's worker busy, it does not race a long request against the clock: the server runs
+in this process around the tiny model behind a gate (`Gated`), whose calls wait for a threading.Event, and the
+test waits for what /health reports before it goes on. (The batcher alone: test_serve_batcher.py.)"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +28,7 @@ import pytest
 
 from test_cli import WORDS, random_lines, write_config, write_lines
 from transformer_mt.cli import main
+from transformer_mt.search import Cancelled
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -46,6 +52,13 @@ def run_dir(tmp_path_factory):
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     assert main(["-q", "train", str(write_config(root, corpus, root / "run")), *sets]) == 0
     return root / "run"
+
+
+@pytest.fixture(scope="module")
+def translator(run_dir):
+    from transformer_mt.translate import load_translator
+
+    return load_translator(run_dir, device="cpu")
 
 
 def free_port() -> int:
@@ -99,11 +112,8 @@ def post(url: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict,
         return e.code, json.loads(e.read()), e.headers
 
 
-def alone(run_dir: Path, lines: list[str], beam: int) -> list[str]:
+def alone(translator: Any, lines: list[str], beam: int) -> list[str]:
     """What `tmt translate` gives for each line translated by itself."""
-    from transformer_mt.translate import load_translator
-
-    translator = load_translator(run_dir, device="cpu")
     return [translator.translate_text([line], beam=beam)[0] for line in lines]
 
 
@@ -112,13 +122,67 @@ def heavy(n: int = 64, words: int = 30) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-BUSY = {"text": heavy(2048, 60), "beam": 16}  # keeps the model's worker busy for seconds
+def wait_until(condition: Any, what: str, timeout: float = 60) -> None:
+    """Poll until `condition()` holds; the timeout only guards against a hang (a failure, never a verdict)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            pytest.fail(f"waited {timeout:g} s for {what}")
+        time.sleep(0.01)
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=60) as r:
+        return json.loads(r.read())
+
+
+class Gated:
+    """The tiny model's translator behind a gate: each translate() call is recorded, then waits for `release`
+    (set once, it lets every call through); `cancelled` counts searches stopped because nobody waited."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.calls, self.cancelled = inner, [], 0
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def translate(self, lines: list[str], **options: Any) -> list:
+        self.calls.append((list(lines), {k: v for k, v in options.items() if k != "should_stop"}))
+        self.entered.set()
+        assert self.release.wait(120)
+        try:
+            return self.inner.translate(lines, **options)
+        except Cancelled:
+            self.cancelled += 1
+            raise
+
+
+@contextmanager
+def in_process(gated: Gated, **limits: Any):
+    """create_app around `gated` on a uvicorn server in a thread of this process; the gate opens at the end."""
+    import uvicorn
+
+    from transformer_mt.serve import Limits, create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(gated, Limits(**limits)), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "the server to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        gated.release.set()
+        server.should_exit = True
+        thread.join(60)
 
 
 # --------------------------------------------------------------------------- the API
 
 
-def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir):
+def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir, translator):
     lines = random_lines(3, random.Random(1))
     with server(run_dir) as (url, _):
         status, page = get(url + "/")
@@ -127,15 +191,18 @@ def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir):
         status, info = get(url + "/info")
         assert status == 200 and info["step"] == 300 and info["source_language"] == "en"
         assert info["parameters"] > 0 and info["decode"]["beam"] == 2 and info["tokenizer"]["digest"]
+        assert info["checkpoint"] in ("run/best.pt", "run/last.pt") and info["run"] == "run"
+        assert str(run_dir.parent) not in json.dumps(info)  # no directory of the server's in what clients see
         status, body, _ = post(url + "/translate", {"text": lines, "nbest": 2, "alignment": True, "attention": True})
         assert status == 200
         got = body["translations"]
         assert [t["source"] for t in got] == lines
-        assert [t["hypotheses"][0]["text"] for t in got] == alone(run_dir, lines, beam=2)
+        assert [t["hypotheses"][0]["text"] for t in got] == alone(translator, lines, beam=2)
         assert all(len(t["hypotheses"]) == 2 and "alignment" in t["hypotheses"][0] for t in got)
-        assert [t["hypotheses"][0]["text"] for t in got] == lines  # the model copies
+        assert sum(t["hypotheses"][0]["text"] == line for t, line in zip(got, lines)) >= 2  # it learned to copy
         attention = got[0]["hypotheses"][0]["attention"]
-        assert attention["source"] == attention["target"] == lines[0].split()
+        assert attention["source"] == lines[0].split()
+        assert attention["target"] == got[0]["hypotheses"][0]["text"].split()
         assert len(attention["weights"]) == len(attention["target"])
         status, body, _ = post(url + "/score", {"source": lines, "target": [t["hypotheses"][0]["text"] for t in got]})
         assert status == 200 and body["perplexity"] > 1
@@ -144,78 +211,143 @@ def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir):
         assert get(url + "/health")[1]["status"] == "ok"
 
 
-@pytest.mark.parametrize("body, status, needle", [
+def test_the_length_budget_and_alpha_are_per_request(translator):
+    """max_len [0, 2] allows one token and EOS: the copy is cut there, where the run's budget lets it go on."""
+    line = "alpha beta gamma delta echo fox"
+    gated = Gated(translator)
+    gated.release.set()  # no gate here
+    with in_process(gated, batch_wait=0) as url:
+        full = post(url + "/translate", {"text": [line]})
+        short = post(url + "/translate", {"text": [line], "max_len": [0, 2], "alpha": 0.0})
+    assert full[0] == short[0] == 200
+    assert len(full[1]["translations"][0]["hypotheses"][0]["tokens"]) >= 3
+    assert len(short[1]["translations"][0]["hypotheses"][0]["tokens"]) <= 1
+
+
+BAD_REQUESTS = [
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
     ({"text": 3}, 400, "text must be"),
     ({"text": ["a"], "beam": "wide"}, 400, "beam must be"),
     ({"text": ["a"], "beam": 2, "nbest": 3}, 400, "nbest must be"),
     ({"text": ["a"], "alignment": "yes"}, 400, "alignment must be"),
+    ({"text": ["a"], "beams": 5}, 400, "did you mean beam?"),
+    (b'{"text": ["a"], "alpha": NaN}', 400, "NaN is not a number"),
+    (b'{"text": ["a"], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
+    (b'{"text": ["a"], "beam": 1' + b"0" * 5000 + b"}", 400, "digits"),
     ({"text": ["a"] * 9}, 413, "at most 8"),
-    ({"text": ["a" * 3000]}, 413, "bytes"),
-])
-def test_bad_requests_are_refused_with_a_reason_and_the_server_keeps_serving(run_dir, body, status, needle):
-    with server(run_dir, "--max-lines", "8", "--max-body", "2000") as (url, _):
-        got, answer, _ = post(url + "/translate", body)
-        assert got == status and needle in answer["error"]
+    ({"text": ["a" * 13000]}, 413, "bytes"),
+    ({"text": heavy(8, 12), "beam": 8}, 413, "--max-work"),
+]
+
+
+def test_bad_requests_are_refused_with_a_reason_and_the_server_keeps_serving(run_dir):
+    with server(run_dir, "--max-lines", "8", "--max-body", "12000", "--max-work", "1000") as (url, _):
+        for body, status, needle in BAD_REQUESTS:
+            got, answer, _ = post(url + "/translate", body)
+            assert (got, needle in answer["error"]) == (status, True), (body[:60], answer)
         assert post(url + "/translate", {"text": ["alpha beta"]})[0] == 200
+        assert get(url + "/health")[1]["pending"] == 0
 
 
-def test_a_full_queue_is_503_with_retry_after(run_dir):
-    with server(run_dir, "--max-queue", "1", "--max-lines", "64") as (url, _):
-        with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(lambda _: post(url + "/translate", {"text": heavy(), "beam": 8}), range(12)))
-        statuses = sorted(a[0] for a in answers)
-        assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}
-        assert all(a[2].get("Retry-After") == "1" for a in answers if a[0] == 503)
-        assert post(url + "/translate", {"text": ["alpha"]})[0] == 200
+def test_a_full_queue_is_503_with_retry_after(translator):
+    gated = Gated(translator)
+    with in_process(gated, max_queue=1) as url:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(post, url + "/translate", {"text": ["alpha"]})
+            assert gated.entered.wait(60)  # the one place in the queue is taken
+            status, answer, headers = post(url + "/translate", {"text": ["beta"]})
+            assert status == 503 and headers.get("Retry-After") == "1" and "queue is full" in answer["error"]
+            gated.release.set()
+            assert busy.result()[0] == 200
+        assert post(url + "/translate", {"text": ["gamma"]})[0] == 200
 
 
-def test_a_request_past_its_deadline_is_504_and_its_work_dropped(run_dir):
-    with server(run_dir, "--deadline", "0.001") as (url, _):
-        status, answer, _ = post(url + "/translate", {"text": heavy(), "beam": 8})
-        assert status == 504 and "deadline" in answer["error"]
-        time.sleep(0.5)
-        assert get(url + "/health")[1]["dropped"] >= 1
+def test_a_request_past_its_deadline_is_504_and_its_search_stopped(translator):
+    """Both requests outlive their deadline while the worker is held: the one in the model stops at its next
+    decoding step once the gate opens, the queued one never reaches the model."""
+    gated = Gated(translator)
+    with in_process(gated, deadline=0.5, batch_wait=0) as url:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(post, url + "/translate", {"text": heavy(4)})
+            assert gated.entered.wait(60)
+            status, answer, _ = post(url + "/translate", {"text": ["alpha"]})
+            assert status == 504 and "deadline" in answer["error"]
+            assert running.result()[0] == 504
+        gated.release.set()
+        wait_until(lambda: health(url)["pending"] == 0, "the worker to drop both")
+        stats = health(url)
+    assert stats["dropped"] == 2 and stats["served"] == 0
+    assert gated.cancelled == 1 and len(gated.calls) == 1
 
 
-def test_a_client_that_disconnects_has_its_work_dropped(run_dir):
-    with server(run_dir, "--max-lines", "4096", "--batch-wait", "0") as (url, _):
+def test_a_client_that_disconnects_has_its_work_dropped(translator):
+    gated = Gated(translator)
+    with in_process(gated, batch_wait=0) as url:
         port = int(url.rsplit(":", 1)[1])
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(post, url + "/translate", BUSY)
-            time.sleep(0.3)  # the worker is busy with that one
+            busy = pool.submit(post, url + "/translate", {"text": ["alpha beta"]})
+            assert gated.entered.wait(60)  # the worker is busy with that one
             body = json.dumps({"text": heavy(8)}).encode()
             with socket.create_connection(("127.0.0.1", port)) as s:  # send, then leave without reading
                 s.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-                time.sleep(0.2)
+                wait_until(lambda: health(url)["pending"] == 2, "the request to be queued")
+            wait_until(lambda: health(url)["left"] == 1, "the server to see the client leave")
+            gated.release.set()
             assert busy.result()[0] == 200
-        time.sleep(0.5)
-        health = get(url + "/health")[1]
-        assert health["dropped"] == 1 and health["served"] == 1 and health["pending"] == 0
+        wait_until(lambda: health(url)["pending"] == 0, "the worker to drop it")
+        stats = health(url)
+    assert stats["dropped"] == 1 and stats["served"] == 1
+    assert [lines for lines, _ in gated.calls] == [["alpha beta"]]  # the left request never reached the model
 
 
-def test_32_concurrent_clients_get_what_each_would_get_alone(run_dir):
+def test_32_concurrent_clients_get_what_each_would_get_alone(translator):
     lines = random_lines(32, random.Random(5))
-    with server(run_dir) as (url, _):
-        with concurrent.futures.ThreadPoolExecutor(32) as pool:
-            answers = list(pool.map(lambda line: post(url + "/translate", {"text": [line]}), lines))
-        assert all(a[0] == 200 for a in answers)
-        assert [a[1]["translations"][0]["hypotheses"][0]["text"] for a in answers] == alone(run_dir, lines, beam=2)
-        health = get(url + "/health")[1]
-        assert health["served"] == 32 and health["batches"] < 32  # requests shared batches
+    gated = Gated(translator)
+    with in_process(gated, batch_wait=0, batch_work=100_000) as url:
+        with concurrent.futures.ThreadPoolExecutor(33) as pool:
+            busy = pool.submit(post, url + "/translate", {"text": ["alpha"]})
+            assert gated.entered.wait(60)
+            answers = [pool.submit(post, url + "/translate", {"text": [line]}) for line in lines]
+            wait_until(lambda: health(url)["pending"] == 33, "all 32 requests to be queued")
+            gated.release.set()
+            answers = [a.result() for a in answers]
+            assert busy.result()[0] == 200
+        stats = health(url)
+    assert all(a[0] == 200 for a in answers)
+    assert [a[1]["translations"][0]["hypotheses"][0]["text"] for a in answers] == alone(translator, lines, beam=2)
+    assert stats["served"] == 33 and stats["batches"] == 2  # the 32 shared one model call
 
 
 def test_sigterm_finishes_the_request_in_flight_then_exits(run_dir):
-    with server(run_dir, "--max-lines", "4096") as (url, proc):
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(post, url + "/translate", BUSY)
-            time.sleep(0.3)
+    """SIGTERM arrives while a request is in flight (its body half sent): the server stops accepting, answers
+    that request once its body is complete, then exits."""
+    body = json.dumps({"text": ["alpha beta gamma"]}).encode()
+    with server(run_dir) as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+            s.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+            wait_until(lambda: get(url + "/health")[1]["receiving"] == 1, "the server to read the request")
             proc.send_signal(signal.SIGTERM)
-            assert busy.result()[0] == 200
+            wait_until(lambda: refuses(port), "the server to stop accepting")
+            s.sendall(body[10:])
+            response = b""
+            while chunk := s.recv(65536):
+                response += chunk
+        assert response.startswith(b"HTTP/1.1 200"), response[:200]
+        assert json.loads(response.split(b"\r\n\r\n", 1)[1])["translations"][0]["source"] == "alpha beta gamma"
         # uvicorn finishes the work, then lets SIGTERM end the process as usual (status 143 in a shell)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+
+
+def refuses(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
 
 
 def test_serve_without_the_extra_names_it(run_dir, monkeypatch, capsys):
@@ -275,14 +407,17 @@ def test_a_bad_request_in_a_shared_batch_fails_alone(run_dir):
         assert "max_positions" in answers[1][1]["error"]
 
 
-def test_requests_held_for_another_batch_are_batched_together(run_dir):
-    """Requests with two sets of options arriving together make two batches, not one per held request."""
-    with server(run_dir, "--batch-wait", "0.5", "--max-lines", "4096") as (url, _):
+def test_requests_held_for_another_batch_are_batched_together(translator):
+    """Requests with two sets of options queued together make two model calls, not one per request."""
+    gated = Gated(translator)
+    with in_process(gated, batch_wait=0) as url:
         with concurrent.futures.ThreadPoolExecutor(9) as pool:
-            busy = pool.submit(post, url + "/translate", BUSY)
-            time.sleep(0.3)
+            busy = pool.submit(post, url + "/translate", {"text": ["alpha"]})
+            assert gated.entered.wait(60)
             bodies = [{"text": [line], "beam": 2 + i % 2} for i, line in enumerate(random_lines(8, random.Random(9)))]
-            answers = list(pool.map(lambda body: post(url + "/translate", body), bodies))
-            assert busy.result()[0] == 200
-        assert all(a[0] == 200 for a in answers)
-        assert get(url + "/health")[1]["batches"] <= 1 + 2 + 1  # the busy one, beam 2, beam 3 (+1 for timing)
+            answers = [pool.submit(post, url + "/translate", body) for body in bodies]
+            wait_until(lambda: health(url)["pending"] == 9, "the 8 requests to be queued")
+            gated.release.set()
+            assert busy.result()[0] == 200 and all(a.result()[0] == 200 for a in answers)
+    assert len(gated.calls) == 3
+    assert sorted((options["beam"], len(lines)) for lines, options in gated.calls[1:]) == [(2, 4), (3, 4)]

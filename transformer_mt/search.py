@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,6 +23,16 @@ from .vocab import BOS, EOS, PAD
 
 
 log = logging.getLogger("transformer_mt")
+StopCheck = Optional[Callable[[], bool]]  # asked between decoding steps: True ends the search (Cancelled)
+
+
+class Cancelled(Exception):
+    """A search stopped between two decoding steps because its `should_stop` said so (nobody waits for it)."""
+
+
+def _check_stop(should_stop: StopCheck) -> None:
+    if should_stop is not None and should_stop():
+        raise Cancelled("the search was stopped between decoding steps")
 
 
 def max_output_len(src_lens: torch.Tensor, a: float, b: int, limit: int) -> torch.Tensor:
@@ -97,10 +107,11 @@ class Sampling:
 
 @torch.no_grad()
 def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10,
-                  sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None
-                  ) -> list[list[Hypothesis]]:
+                  sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None,
+                  should_stop: StopCheck = None) -> list[list[Hypothesis]]:
     """The most likely next token at each step (or one drawn by `sampling`); src (B, S) -> one
-    hypothesis per sentence (a list of one, like beam search's n-best lists)."""
+    hypothesis per sentence (a list of one, like beam search's n-best lists). `should_stop` is asked
+    before every step; True raises Cancelled."""
     B, device = src.size(0), src.device
     memory, src_mask = model.encode(src)
     max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)  # (B,)
@@ -111,6 +122,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
     tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
     cache = model.new_cache()
     for t in range(T):
+        _check_stop(should_stop)
         logits = model.decode_step(tokens, memory, src_mask, cache).float()  # (n, V)
         log_z = logits.logsumexp(-1)  # (n,): log-probability = logit - log_z
         _force_eos(_mask_specials(logits), max_len[alive] <= t + 1)  # out of budget: this token must be EOS
@@ -183,13 +195,12 @@ def _keep_finished(final: torch.Tensor, top: torch.Tensor, src_beam: torch.Tenso
 
 
 @torch.no_grad()
-def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: float = 0.6,
-                max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1) -> list[list[Hypothesis]]:
-    """Batched beam search; the `nbest` best finished hypotheses of each source row, best first.
-
-    Hypotheses are scored by log P(Y|X) / lp(Y) (GNMT length penalty, |Y| counting EOS).
-    A sentence is finished once it has `beam` complete hypotheses or reaches its length budget.
-    """
+def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: float = 0.6, max_len_a: float = 1.5,
+                max_len_b: int = 10, nbest: int = 1, should_stop: StopCheck = None) -> list[list[Hypothesis]]:
+    """Batched beam search; the `nbest` best finished hypotheses of each source row, best first. Hypotheses
+    are scored by log P(Y|X) / lp(Y) (GNMT length penalty, |Y| counting EOS); a sentence is finished once it
+    has `beam` complete hypotheses or reaches its length budget. `should_stop` is asked before every step
+    (True raises Cancelled)."""
     B, K, device = src.size(0), beam, src.device
     memory, src_mask = model.encode(src)
     max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)  # (B,)
@@ -206,6 +217,7 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
     n_finished = torch.zeros(B, dtype=torch.long, device=device)  # len(finished[b]), kept on the device
     cache = model.new_cache()
     for t in range(int(max_len.max())):
+        _check_stop(should_stop)
         N = len(alive)
         logits = model.decode_step(tokens, memory, src_mask, cache)  # (N*K, V)
         logp = _mask_specials(F.log_softmax(logits, dim=-1, dtype=torch.float32))  # (N*K, V)
@@ -246,23 +258,24 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
 
 
 def search(model: Transformer, src: torch.Tensor, *, beam: int, decode: DecodeConfig, nbest: int = 1,
-           sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None
-           ) -> list[list[Hypothesis]]:
+           sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None,
+           should_stop: StopCheck = None) -> list[list[Hypothesis]]:
     """Greedy search for beam 1 (or sampling, when given), else beam search, with the settings of `decode`."""
     if beam == 1 or sampling is not None:
         return greedy_search(model, src, max_len_a=decode.max_len_a, max_len_b=decode.max_len_b, sampling=sampling,
-                             generator=generator)
+                             generator=generator, should_stop=should_stop)
     return beam_search(model, src, beam=beam, alpha=decode.alpha, max_len_a=decode.max_len_a,
-                       max_len_b=decode.max_len_b, nbest=nbest)
+                       max_len_b=decode.max_len_b, nbest=nbest, should_stop=should_stop)
 
 
 def translate_ids(model: Transformer, ids: Sequence[Sequence[int]], decode: DecodeConfig, *, beam: int,
-                  nbest: int = 1, sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None
-                  ) -> list[list[Hypothesis]]:
+                  nbest: int = 1, sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None,
+                  should_stop: StopCheck = None) -> list[list[Hypothesis]]:
     """The n-best hypotheses of each source, in input order; an empty source gives one empty hypothesis.
 
     Sources are sorted by length and cut into batches of decode.max_src_tokens // beam padded tokens;
-    sources longer than the model's positions are truncated, with a warning.
+    sources longer than the model's positions are truncated, with a warning. `should_stop` is asked
+    between decoding steps: True raises Cancelled (a server's client left).
     """
     device, max_src = next(model.parameters()).device, model.cfg.max_positions
     too_long = sum(len(x) >= max_src for x in ids)
@@ -274,7 +287,7 @@ def translate_ids(model: Transformer, ids: Sequence[Sequence[int]], decode: Deco
     for batch in cut_batches(order, widths, decode.max_src_tokens // beam):
         src = pad_sources([ids[i] for i in batch], max_src).to(device)
         for i, hyps in zip(batch, search(model, src, beam=beam, decode=decode, nbest=nbest, sampling=sampling,
-                                         generator=generator)):
+                                         generator=generator, should_stop=should_stop)):
             out[i] = hyps
     return out
 
