@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -696,3 +697,107 @@ def test_plot_attention_skips_empty_lines(trained, tmp_path):
     plots = tmp_path / "p"
     _translate(trained, tmp_path, ["", "alpha beta"], "--plot-attention", str(plots))
     assert sorted(p.name for p in plots.iterdir()) in (["1.png"], [])  # line 0 is empty: nothing to draw
+
+
+# --------------------------------------------------------------------------- issue 22: items 13, 14, 15
+
+
+def _run_with_precision(trained, folder: Path, recorded: str) -> Path:
+    """A copy of the tiny run whose config says precision auto and whose last.pt says it trained in `recorded`."""
+    (folder / "checkpoints").mkdir(parents=True)
+    shutil.copy(trained["run_dir"] / "spm.model", folder)
+    ckpt = torch.load(trained["run_dir"] / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    ckpt["config"]["train"]["precision"] = "auto"
+    ckpt["train_state"]["precision"] = recorded
+    torch.save(ckpt, folder / "checkpoints" / "last.pt")
+    weights_only = {k: ckpt[k] for k in ("model", "config", "tokenizer", "spm", "step")}  # what averaging keeps
+    torch.save(weights_only, folder / "checkpoints" / "averaged.pt")
+    return folder / "checkpoints"
+
+
+def test_decoding_defaults_to_the_precision_the_run_trained_in(trained, tmp_path, monkeypatch):
+    """Issue 22 item 13: with precision auto the decoder resolved auto anew (fp32 on a CPU) instead of taking
+    what the run trained and validated in (train_state), e.g. bf16-output or bf16 chosen by the CPU probe."""
+    from transformer_mt import translate
+
+    asked = []
+    real = translate.inference_model
+    monkeypatch.setattr(translate, "inference_model", lambda model, p, device: asked.append(p) or real(model, p, device))
+    ckpts = _run_with_precision(trained, tmp_path / "out", "bf16-output")
+    translate.load_translator(ckpts / "last.pt", device="cpu")
+    translate.load_translator(ckpts / "averaged.pt", device="cpu")  # weights only: the run's last.pt says
+    assert asked == ["bf16-output", "bf16-output"]  # decoded as validation decoded (runtime.inference_model)
+
+    ckpts = _run_with_precision(trained, tmp_path / "bf16", "bf16")
+    for name in ("last.pt", "averaged.pt"):
+        tr = translate.load_translator(ckpts / name, device="cpu")
+        assert tr.precision == "bf16" and {p.dtype for p in tr.model.parameters()} == {torch.bfloat16}
+        assert translate.load_translator(ckpts / name, device="cpu", precision="fp32").precision == "fp32"
+    alone = tmp_path / "alone"  # a weights-only checkpoint away from its run: the config's auto, resolved here
+    alone.mkdir()
+    shutil.copy(ckpts / "averaged.pt", alone)
+    assert translate.load_translator(alone / "averaged.pt", device="cpu").precision == "fp32"
+
+
+def test_invalid_utf8_on_stdin_is_replaced_with_one_warning(trained):
+    """Issue 22 item 14: `printf '\\xff\\xfe bad\\n' | tmt translate` was a TypeError traceback; now stdin is read as
+    --input is: bad bytes replaced, and one warning counting the lines that had any."""
+    proc = subprocess.run([sys.executable, "-m", "transformer_mt", "translate", "-c", str(trained["run_dir"]),
+                           "--beam", "1", "--device", "cpu"], input=b"\xff\xfe bad\nalpha beta\n\xc3 x \xff\n",
+                          capture_output=True, cwd=ROOT, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert len(proc.stdout.decode().split("\n")[:-1]) == 3
+    warnings = [line for line in err.splitlines() if "invalid UTF-8" in line]
+    assert len(warnings) == 1 and "<stdin>: 2 line(s)" in warnings[0], err
+
+
+def test_invalid_utf8_in_every_input_file_is_replaced_with_one_warning_per_file(trained, tmp_path, monkeypatch,
+                                                                                capsys):
+    """The same policy for translate's --input (it replaced silently), for a text stdin that carries undecodable
+    bytes as surrogates (a C locale's: it crashed), and for score's and evaluate's --src/--ref (they stopped)."""
+    run = str(trained["run_dir"])
+    bad = tmp_path / "bad.en"
+    bad.write_bytes(b"alpha \xff beta\ngamma\n")
+    good = write_lines(tmp_path / "good.de", ["ALPHA", "GAMMA"])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"alpha \xff\ngamma\n"), encoding="utf-8",
+                                                       errors="surrogateescape", newline="\n"))
+    for argv, name in ((["translate", "-c", run, "--beam", "1", "-i", str(bad)], str(bad)),
+                       (["translate", "-c", run, "--beam", "1"], "<stdin>"),
+                       (["score", "-c", run, "--src", str(bad), "--ref", str(good)], str(bad)),
+                       (["score", "-c", run, "--src", str(good), "--ref", str(bad)], str(bad)),
+                       (["evaluate", "-c", run, "--beam", "1", "--src", str(bad), "--ref", str(good),
+                         "-o", str(tmp_path / "hyp")], str(bad))):
+        capsys.readouterr()
+        assert main(argv) == 0, argv
+        out, err = capsys.readouterr()
+        warnings = [line for line in err.splitlines() if "invalid UTF-8" in line]
+        assert warnings == [f"tmt: warning: {name}: 1 line(s) with invalid UTF-8 (first: line 1); bytes replaced "
+                            "by U+FFFD"], (argv, err)
+        if argv[0] != "evaluate":
+            assert len(out.split("\n")[:-1]) == 2, argv
+
+
+@pytest.mark.parametrize("flag", [["--beam", "4"], ["--alpha", "5"], ["--max-len", "0", "5"]])
+def test_score_offers_no_search_flags(trained, tmp_path, capsys, flag):
+    """Issue 22 item 15: score (forced decoding) accepted --beam/--alpha/--max-len and ignored them."""
+    s, r = write_lines(tmp_path / "s.en", ["alpha"]), write_lines(tmp_path / "r.de", ["ALPHA"])
+    with pytest.raises(SystemExit) as info:
+        main(["score", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r), *flag])
+    assert info.value.code == 2
+    assert f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
+
+
+def test_quiet_training_prints_no_progress_bar_and_no_validation_lines(trained, tmp_path, capsys):
+    """Issue 22 item 15: `tmt -q train` printed the progress bar and every `step N: valid` line."""
+    cfg = write_config(tmp_path, trained["corpus"], tmp_path / "run")
+    shown = {}
+    for quiet in (False, True):
+        capsys.readouterr()
+        assert main([*(["-q"] if quiet else []), "train", str(cfg), "--set", "train.max_steps=4",
+                     "--set", "train.valid_every=2", "--set", f"output_dir={tmp_path / f'run-{quiet}'}"]) == 0
+        out, err = capsys.readouterr()
+        shown[quiet] = out + err
+    bar, valid = re.compile(r"train:\s+\d+%\|"), re.compile(r"step [24]: valid")
+    assert bar.search(shown[False]) and valid.search(shown[False])  # what -q is to hide is there without it
+    assert not bar.search(shown[True]) and not valid.search(shown[True]), shown[True]

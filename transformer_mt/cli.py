@@ -83,7 +83,7 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Forced decoding of (source, target) pairs, like fairseq's --score-reference, "
                                    "sockeye-score and marian-scorer: each target's log-probability given its "
                                    "source, per token, and the corpus perplexity (on stderr). Streamed in chunks.")
-    _add_model_flags(p)
+    _add_model_flags(p, decoding=False)  # forced decoding: no search, so no --beam/--alpha/--max-len
     p.add_argument("--src", metavar="FILE", required=True, help="source sentences (plain text or .gz)")
     p.add_argument("--ref", metavar="FILE", required=True, help="target sentences to score, line-aligned with --src")
     p.add_argument("--format", choices=["text", "jsonl"], default="text",
@@ -129,6 +129,18 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"a request not answered within this gets 504, and its work is dropped (default: {d.deadline:g})")
     p.add_argument("--batch-wait", type=float, default=d.batch_wait, metavar="SECONDS",
                    help=f"how long the model's worker waits for more requests to batch with (default: {d.batch_wait:g})")
+    p.add_argument("--max-work", type=_positive_int, default=d.max_work, metavar="STEPS",
+                   help="most decoding steps one request may cost (each line: beam x its output budget, weighted by "
+                        f"the positions attended); more gets 413 (default: {d.max_work})")
+    p.add_argument("--batch-work", type=_positive_int, default=d.batch_work, metavar="STEPS",
+                   help="most decoding steps of one model call, and so of one line: long requests are served in "
+                        "chunks of this size between other requests, so a new short request waits for one chunk "
+                        f"at most (default: {d.batch_work})")
+    p.add_argument("--batch-lines", type=_positive_int, default=d.batch_lines, metavar="N",
+                   help=f"most lines of one model call (default: {d.batch_lines})")
+    p.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="CPU threads of the model (default: one less than the cores, so that the HTTP side keeps "
+                        "one; OMP_NUM_THREADS, when set, decides instead)")
 
 
 def _add_export_parser(sub: argparse._SubParsersAction) -> None:
@@ -152,24 +164,20 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --output")
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """Which model, and how it decodes."""
+def _add_model_flags(p: argparse.ArgumentParser, *, decoding: bool = True) -> None:
+    """Which model, where and in what precision it runs; with `decoding`, also how it searches."""
     p.add_argument("--checkpoint", "-c", metavar="PATH", action="append",
                    help="checkpoint file, or run directory (uses its best, else last, checkpoint); default: the "
                         "best checkpoint of the most recently trained run under ./runs/. Give it more than once "
                         "to decode with an ensemble (the mean of the models' probabilities; one vocabulary)")
-    p.add_argument("--beam", type=_positive_int, metavar="N",
-                   help="beam size; 1 = greedy search (default: the run's decode.beam)")
-    p.add_argument("--alpha", type=float, metavar="A",
-                   help="GNMT length penalty exponent for beam search (default: the run's decode.alpha)")
-    p.add_argument("--max-len", type=float, nargs=2, metavar=("A", "B"),
-                   help="output at most A x source length + B tokens (default: the run's decode.max_len_a "
-                        "and decode.max_len_b; fairseq-generate's default is 0 200)")
+    if decoding:
+        _add_search_flags(p)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                    help="where to run the model (default: auto = CUDA, then MPS, then CPU)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16", "int8"],
-                   help="dtype to decode in (default: the run's train.precision; bf16/fp16 decode with the "
-                        "whole model in that dtype; fp16 only on CUDA, elsewhere it decodes in fp32; int8: "
+                   help="dtype to decode in (default: the precision the run trained in, as its checkpoint records "
+                        "it: train.precision auto's choice; bf16-output runs decode in fp32; bf16/fp16 decode with "
+                        "the whole model in that dtype; fp16 only on CUDA, elsewhere it decodes in fp32; int8: "
                         "dynamic int8 quantization of the linear layers, CPU only). With --engine ctranslate2 it is "
                         "CTranslate2's compute type (default: as the export stores its weights)")
     p.add_argument("--engine", choices=["torch", "ctranslate2"], default="torch",
@@ -178,12 +186,24 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(once, into the run's ct2-cache/); no --alignment or attention plots")
 
 
+def _add_search_flags(p: argparse.ArgumentParser) -> None:
+    """Beam size, length penalty and length budget: what translate, evaluate and serve search with."""
+    p.add_argument("--beam", type=_positive_int, metavar="N",
+                   help="beam size; 1 = greedy search (default: the run's decode.beam)")
+    p.add_argument("--alpha", type=float, metavar="A",
+                   help="GNMT length penalty exponent for beam search (default: the run's decode.alpha)")
+    p.add_argument("--max-len", type=float, nargs=2, metavar=("A", "B"),
+                   help="output at most A x source length + B tokens (default: the run's decode.max_len_a "
+                        "and decode.max_len_b; fairseq-generate's default is 0 200)")
+
+
 def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("translate", help="translate text with a trained model (stdin to stdout by default)",
                        description="Translate one sentence per line. Output lines match input lines one to one "
                                    "(an empty input line gives an empty output line; lines end at \\n only). "
                                    "Input is read and written in chunks, so any length streams in bounded memory; "
-                                   "typed at a terminal, each line is translated as soon as Enter is pressed.")
+                                   "typed at a terminal, each line is translated as soon as Enter is pressed. "
+                                   "Invalid UTF-8 is replaced by U+FFFD, with one warning that counts the lines.")
     _add_model_flags(p)
     p.add_argument("--input", "-i", metavar="FILE", help="read source sentences from FILE (default: stdin)")
     p.add_argument("--output", "-o", metavar="FILE", help="write translations to FILE (default: stdout)")
@@ -306,27 +326,42 @@ def _attention_plotter(folder: Optional[str], all_heads: bool) -> Any:
 
 
 @contextlib.contextmanager
-def _open_io(input: Optional[str], output: Optional[str]) -> Iterator[tuple[TextIO, TextIO]]:
-    """The input file (or stdin) and the output file (or stdout); closes only the files it opened."""
+def _open_io(input: Optional[str], output: Optional[str]) -> Iterator[tuple[Any, TextIO]]:
+    """The input file (or stdin) and the output file (or stdout); closes only the files it opened. Both inputs
+    are read alike (data.TextLines): lines end at \\n only, invalid UTF-8 is replaced and counted in one warning
+    at the end."""
+    from .data import TextLines
+
     with contextlib.ExitStack() as stack:
-        try:  # newline="\n": a lone \r inside a line must not split it (stdin already reads this way)
-            src = stack.enter_context(open(input, encoding="utf-8", errors="replace", newline="\n")) \
-                if input else sys.stdin
+        try:
+            src = TextLines(stack.enter_context(open(input, "rb")), input) if input else _stdin_lines()
             out = stack.enter_context(open(output, "w", encoding="utf-8")) if output else sys.stdout
         except OSError as e:
             raise UserError(f"cannot open {e.filename}: {e.strerror}") from None
         yield src, out
+        if isinstance(src, TextLines):
+            src.warn()
+
+
+def _stdin_lines() -> Any:
+    """stdin's bytes as data.TextLines; a text stream without bytes beneath (a caller's StringIO) as it is."""
+    from .data import TextLines
+
+    buffer = getattr(sys.stdin, "buffer", None)
+    return TextLines(buffer, "<stdin>") if buffer is not None else sys.stdin
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .serve import Limits, require_serve_extra, serve
+    from .serve import Limits, model_threads, require_serve_extra, serve
     from .translate import load_translator
 
     require_serve_extra()
+    model_threads(args.threads)
     translator = load_translator(args.checkpoint, device=args.device, precision=args.precision, beam=args.beam,
                                  alpha=args.alpha, max_len=args.max_len, engine=args.engine)
     limits = Limits(max_body=args.max_body, max_lines=args.max_lines, max_queue=args.max_queue,
-                    deadline=args.deadline, batch_wait=args.batch_wait)
+                    deadline=args.deadline, batch_wait=args.batch_wait, batch_lines=args.batch_lines,
+                    max_work=args.max_work, batch_work=args.batch_work)
     serve(translator, host=args.host, port=args.port, limits=limits)
     return 0
 

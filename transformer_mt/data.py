@@ -6,6 +6,7 @@ so a run can resume mid-epoch and data-parallel ranks can take disjoint shards.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import itertools
@@ -14,9 +15,10 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import BinaryIO, Iterable, Iterator, Optional, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
@@ -70,7 +72,10 @@ class _LineDecoder:
         self.replaced, self.first = 0, 0
 
     def __call__(self, raw: bytes, n: int) -> str:
-        raw = raw.rstrip(b"\n").rstrip(b"\r")
+        return self.decode(raw.rstrip(b"\n").rstrip(b"\r"), n)
+
+    def decode(self, raw: bytes, n: int) -> str:
+        """Line n's bytes (its ending kept, if any) as text."""
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -87,9 +92,36 @@ class _LineDecoder:
                         self.path, self.replaced, self.first)
 
 
+class TextLines:
+    """The lines of a binary stream (stdin, a --input file) as text, each ending at "\\n" only and keeping it, the
+    policy of every file a user decodes or scores: invalid UTF-8 becomes U+FFFD, and warn() says once, at the
+    end, how many lines had any (never a traceback, never a silent replacement)."""
+
+    def __init__(self, raw: BinaryIO, name: str):
+        self.raw, self.n = raw, 0
+        self._decode = _LineDecoder(Path(name), "replace")
+
+    def isatty(self) -> bool:
+        return self.raw.isatty()
+
+    def readline(self) -> str:
+        raw = self.raw.readline()  # returns as soon as a line is there: a person at a terminal gets answers
+        if not raw:
+            return ""
+        self.n += 1
+        return self._decode.decode(raw, self.n)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.readline, "")
+
+    def warn(self) -> None:
+        self._decode.warn()
+
+
 def pair_lines(src: str | os.PathLike, tgt: str | os.PathLike) -> Iterator[tuple[str, str]]:
-    """Line N of each of two files (plain or .gz), streamed; a length mismatch is an error with both counts."""
-    return _iter_text_pairs(Path(src), Path(tgt), "--src/--ref", "error")
+    """Line N of each of two files (plain or .gz), streamed; a length mismatch is an error with both counts.
+    Invalid UTF-8 is replaced and counted, as in every file given to translate, score or evaluate (TextLines)."""
+    return _iter_text_pairs(Path(src), Path(tgt), "--src/--ref", "replace")
 
 
 def _iter_text_pairs(src_path: Path, tgt_path: Path, where: str, invalid_utf8: str) -> Iterator[tuple[str, str]]:
@@ -155,8 +187,9 @@ def record_file(where: str, split: str) -> Path:
     return Path(where)
 
 
-def read_lines(path: str | os.PathLike, invalid_utf8: str = "error") -> list[str]:
-    """All lines of a UTF-8 text file (optionally .gz), without line endings."""
+def read_lines(path: str | os.PathLike, invalid_utf8: str = "replace") -> list[str]:
+    """All lines of a UTF-8 text file (optionally .gz), without line endings; invalid UTF-8 is replaced and
+    counted in one warning (TextLines' policy), or with invalid_utf8="error" stops at file:line."""
     path = Path(path)
     decode = _LineDecoder(path, invalid_utf8)
     with _open_binary(path) as f:
@@ -276,15 +309,16 @@ class TokenizedCorpus:
 
 
 class _CorpusWriter:
-    """Appends tokenized chunks to raw int32 files; offsets and the final rename come at the end."""
+    """Appends tokenized chunks to raw int32 files in a folder of its own; offsets and the publishing
+    rename come at the end (see _publish: two processes filling the same entry at once both succeed)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
 
     def __enter__(self) -> "_CorpusWriter":
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        # Unique per writer (not per pid: threads, and a pid reused after a crash): nobody else touches it.
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.folder.name}.tmp{os.getpid()}-", dir=self.folder.parent))
         self.files = [open(self.tmp / "src_ids.bin", "wb"), open(self.tmp / "tgt_ids.bin", "wb")]
         self.lens: list[list[np.ndarray]] = [[], []]
         return self
@@ -305,8 +339,30 @@ class _CorpusWriter:
             offsets = np.zeros(len(lens) + 1, dtype=np.int64)
             np.cumsum(lens, out=offsets[1:])
             np.save(self.tmp / f"{name}_offsets.npy", offsets)
-        shutil.rmtree(self.folder, ignore_errors=True)
-        os.replace(self.tmp, self.folder)
+        _publish(self.tmp, self.folder)
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Rename a finished cache entry into place. The rename is atomic, so a reader sees a whole entry or none;
+    it never replaces a complete entry (a reader may be memory-mapping it): when another process published
+    the same entry first, its copy holds the same ids and ours is dropped."""
+    for attempt in range(2):
+        try:
+            os.rename(tmp, folder)  # onto an existing non-empty folder: OSError, whoever wrote it
+            return
+        except OSError:
+            if not folder.is_dir():
+                raise
+        if (folder / "tgt_offsets.npy").exists():  # complete: another writer won
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        if not attempt:  # incomplete: not written by this code, which publishes whole folders; move it aside
+            aside = Path(tempfile.mkdtemp(prefix=f"{folder.name}.stale-", dir=folder.parent))
+            with contextlib.suppress(OSError):  # another process may have moved it already
+                os.replace(folder, aside / folder.name)
+            shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise DataError(f"token cache entry {folder} exists but is incomplete and cannot be replaced: delete it")
 
 
 def _flatten(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

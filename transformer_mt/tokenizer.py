@@ -77,7 +77,14 @@ class Tokenizer:
         src, tgt = run_dir / "spm.src.model", run_dir / "spm.tgt.model"
         if src.exists() and tgt.exists():
             return cls(src.read_bytes(), tgt.read_bytes())
-        raise FileNotFoundError(f"no SentencePiece model (spm.model or spm.src.model + spm.tgt.model) in {run_dir}")
+        if src.exists() or tgt.exists():  # one half of a separate vocabulary: e.g. a copy that missed a file
+            missing, present = (tgt, src.name) if src.exists() else (src, tgt.name)
+            raise UserError(f"SentencePiece model not found: {missing} (a separate vocabulary needs spm.src.model "
+                            f"and spm.tgt.model; {present} is there): copy it back from the run it came from, or "
+                            f"remove {present} as well (translate then uses the models stored in the checkpoint, "
+                            "train trains new ones)")
+        raise UserError(f"no SentencePiece model in {run_dir}: it needs spm.model, or spm.src.model and "
+                        "spm.tgt.model (a separate vocabulary)")
 
     @staticmethod
     def exists(run_dir: str | os.PathLike) -> bool:

@@ -8,11 +8,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .checkpoint import CheckpointError, load_for_inference, resolve_checkpoint
+from .checkpoint import CheckpointError, load_for_inference, resolve_checkpoint, run_dir_of
 from .config import Config, ConfigError, DecodeConfig
 from .data import DataError, chunks
 from .export import is_export
@@ -153,19 +153,24 @@ class Translator(BaseTranslator):
 
     def translate(self, lines: Sequence[str], *, beam: Optional[int] = None, nbest: int = 1,
                   attention: bool = False, alignment: bool = False, sampling: Optional[Sampling] = None,
-                  generator: Optional[torch.Generator] = None) -> list[list[Translation]]:
+                  generator: Optional[torch.Generator] = None, alpha: Optional[float] = None,
+                  max_len: Optional[Sequence[float]] = None, should_stop: Optional[Callable[[], bool]] = None
+                  ) -> list[list[Translation]]:
         """The `nbest` best translations of each line, best first (one per line when sampling).
 
         attention: add the cross-attention of each translation; alignment: add its word alignment (from
         that attention). An empty line gives one empty translation. `generator` carries a sampling seed
-        across calls (translate_stream passes one); by default `sampling.seed` seeds each call.
+        across calls (translate_stream passes one); by default `sampling.seed` seeds each call. alpha and
+        max_len (A, B) override the decode settings for this call; should_stop is asked between decoding
+        steps and True raises search.Cancelled (the server stops work nobody waits for).
         """
         beam = self._beam(beam, nbest, sampling)
         if sampling is not None and generator is None:
             generator = sampling.generator(self.device)
+        decode = decode_overrides(self.decode, alpha=alpha, max_len=max_len)
         ids = self.tokenizer.encode_src([line.strip() for line in lines])
-        found = translate_ids(self.model, ids, self.decode, beam=beam, nbest=nbest, sampling=sampling,
-                              generator=generator)
+        found = translate_ids(self.model, ids, decode, beam=beam, nbest=nbest, sampling=sampling,
+                              generator=generator, should_stop=should_stop)
         out = [[self._translation(h) for h in hyps] for hyps in found]
         if attention or alignment:
             self._add_attention(ids, out, lines)
@@ -246,10 +251,10 @@ def load_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.P
     """A Translator for a checkpoint file or run directory (None: the newest run under ./runs/); several
     checkpoints decode as an ensemble (they must share one SentencePiece model).
 
-    precision defaults to the run's train.precision (int8: the linear layers quantized, on the CPU);
-    beam, alpha and max_len (A, B: output at most A x source length + B tokens) override the run's decode
-    settings. engine="ctranslate2" decodes with CTranslate2 instead, from a `tmt export` directory or a
-    checkpoint (exported once, into the run's ct2-cache/).
+    precision defaults to the one the run trained and validated in (trained_precision; int8: the linear layers
+    quantized, on the CPU); beam, alpha and max_len (A, B: output at most A x source length + B tokens) override
+    the run's decode settings. engine="ctranslate2" decodes with CTranslate2 instead, from a `tmt export`
+    directory or a checkpoint (exported once, into the run's ct2-cache/).
     """
     if engine == "ctranslate2":
         from .ct2 import load_ct2_translator
@@ -276,9 +281,28 @@ def load_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.P
     if len(loaded) > 1:
         model = Ensemble([m for m, _, _, _ in loaded])
     cfg.decode = decode_overrides(cfg.decode, beam=beam, alpha=alpha, max_len=max_len)
-    translator = Translator(model, tokenizer, cfg.decode, device=target, precision=precision or cfg.train.precision)
+    precision = precision or trained_precision(ckpt, paths[0], cfg)
+    translator = Translator(model, tokenizer, cfg.decode, device=target, precision=precision)
     translator.checkpoint, translator.config, translator.step = paths[0], cfg, ckpt.get("step")
     return translator
+
+
+def trained_precision(ckpt: dict[str, Any], path: Path, cfg: Config) -> str:
+    """The precision the run trained and validated in, which decoding follows by default (a bf16-output run
+    decodes in fp32, as its validation did: runtime.inference_model). The checkpoint's train_state records it
+    (precision auto's choice, e.g. bf16 or bf16-output on a CPU); a weights-only checkpoint (an average: best.pt
+    after train.average_last, averaged.pt) has none, so the same run's checkpoints/last.pt is asked; without
+    either, the saved train.precision stands (auto: resolved for the decoding device)."""
+    recorded = (ckpt.get("train_state") or {}).get("precision")
+    last = run_dir_of(path) / "checkpoints" / "last.pt"
+    if not recorded and last.is_file() and last.resolve() != path.resolve():
+        try:  # mmap: the tensors (weights, optimizer state) are not read, only the small dicts
+            other = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001  an unreadable last.pt only loses the hint
+            other = {}
+        if isinstance(other, dict) and other.get("tokenizer") == ckpt.get("tokenizer"):  # the same run's
+            recorded = (other.get("train_state") or {}).get("precision")
+    return recorded or cfg.train.precision
 
 
 def decode_overrides(decode: DecodeConfig, *, beam: Optional[int] = None, alpha: Optional[float] = None,
