@@ -729,10 +729,15 @@ def test_decoding_defaults_to_the_precision_the_run_trained_in(trained, tmp_path
     assert asked == ["bf16-output", "bf16-output"]  # decoded as validation decoded (runtime.inference_model)
 
     ckpts = _run_with_precision(trained, tmp_path / "bf16", "bf16")
+    monkeypatch.setattr(translate, "cpu_has_native_bf16", lambda: True)  # the verdict must not hang on this CPU
     for name in ("last.pt", "averaged.pt"):
         tr = translate.load_translator(ckpts / name, device="cpu")
         assert tr.precision == "bf16" and {p.dtype for p in tr.model.parameters()} == {torch.bfloat16}
         assert translate.load_translator(ckpts / name, device="cpu", precision="fp32").precision == "fp32"
+    # where bf16 is emulated (an AVX2-only CPU: 10-20x slower), the default falls back to fp32; asked for, bf16 stays
+    monkeypatch.setattr(translate, "cpu_has_native_bf16", lambda: False)
+    assert translate.load_translator(ckpts / "last.pt", device="cpu").precision == "fp32"
+    assert translate.load_translator(ckpts / "last.pt", device="cpu", precision="bf16").precision == "bf16"
     alone = tmp_path / "alone"  # a weights-only checkpoint away from its run: the config's auto, resolved here
     alone.mkdir()
     shutil.copy(ckpts / "averaged.pt", alone)

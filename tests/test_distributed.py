@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from transformer_mt.cli import main
-
-pytestmark = pytest.mark.slow
+from transformer_mt.distributed import Dist
 
 
 def write_setup(root: Path, run: str, extra: str = "") -> Path:
@@ -45,6 +44,7 @@ def torchrun(args: list[str]) -> subprocess.CompletedProcess:
                            "-m", "transformer_mt", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     ddp_cfg = write_setup(tmp_path, "ddp")
     proc = torchrun(["train", str(ddp_cfg)])
@@ -64,8 +64,11 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_pat
     # Only rank 0 wrote TensorBoard events and checkpoints.
     assert len(list((tmp_path / "ddp" / "tb").glob("events.*"))) == 1
     assert isinstance(a["rng"], list) and len(a["rng"]) == 2
+    # Issue 22, item 16: each rank draws from its own random stream (its own dropout masks).
+    assert not torch.equal(a["rng"][0]["torch"], a["rng"][1]["torch"])
 
 
+@pytest.mark.slow
 def test_two_process_run_resumed_equals_one_never_stopped(tmp_path):
     # dropout > 0: the per-rank random streams must come back too; 6 updates x 2 ranks cross an epoch (9 batches).
     for name in ("whole", "parts"):
@@ -89,6 +92,7 @@ def test_two_process_run_resumed_equals_one_never_stopped(tmp_path):
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_training_leaves_the_process_group_so_gloo_threads_do_not_abort_at_exit(tmp_path):
     # A rank that exits with the group alive can die in gloo's teardown ("terminate called without an
     # active exception", SIGABRT: pytorch/pytorch#190489). A one-rank gloo group stands in for torchrun here.
@@ -105,3 +109,54 @@ def test_training_leaves_the_process_group_so_gloo_threads_do_not_abort_at_exit(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_each_rank_draws_its_own_dropout_masks_and_rank_0_those_of_one_process(monkeypatch):
+    """Issue 22, item 16: every rank was seeded alike, so all ranks dropped the same units. init_runtime seeds
+    seed + rank once the process group exists."""
+    from transformer_mt import train as train_module
+    from transformer_mt.config import TrainConfig
+    from transformer_mt.distributed import seed_everything
+
+    def masks(rank: int) -> torch.Tensor:
+        monkeypatch.setattr(train_module, "init_distributed", lambda device: Dist(rank, 2))
+        train_module.init_runtime(TrainConfig(seed=5, device="cpu"))
+        return torch.nn.functional.dropout(torch.ones(64), 0.5)  # (64,) a dropout mask, scaled
+
+    rank0, rank1 = masks(0), masks(1)
+    assert not torch.equal(rank0, rank1)
+    assert torch.equal(masks(0), rank0)  # reproducible
+    torch.manual_seed(5)
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), rank0)  # rank 0 = a single process
+    seed_everything(5, 1)
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), rank1)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ranks_agree_on_stopping_at_log_and_validation_steps_only(tmp_path, monkeypatch, world):
+    """Issue 22, item 16: `agree` (an all-reduce and a host sync under DDP) ran after every update. Now at most once
+    per log window and validation (and once per validation for early stopping); with one process no collective at
+    all. A two-rank group is faked: the all-reduces count calls and change nothing."""
+    import torch.distributed as dist
+
+    from transformer_mt import train as train_module
+    from transformer_mt.config import load_config
+    from transformer_mt.distributed import rng_state
+
+    collectives, agreements, real_agree = [], [], train_module.agree
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **kw: collectives.append(1))
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [rng_state()] * world))
+    monkeypatch.setattr(train_module, "agree", lambda *a: agreements.append(1) or real_agree(*a))
+    steps, log_every, valid_every = 12, 3, 6
+    cfg = write_setup(tmp_path, "agree")
+    trainer = train_module.Trainer(load_config(cfg, [f"train.max_steps={steps}", f"train.log_every={log_every}",
+                                                     f"train.valid_every={valid_every}", "train.max_minutes=60"]))
+    trainer.dist = Dist(0, world)
+    assert trainer.train()["steps"] == steps
+    validations = steps // valid_every
+    if world == 1:
+        assert not collectives  # agree is free: one process checks its flags at every update
+    else:
+        assert len(agreements) <= steps // log_every + validations  # was one per update, and one per validation
+        # per log step: the agreement and the loss's sum; per validation: the early-stop agreement
+        assert len(collectives) <= 2 * (steps // log_every) + validations

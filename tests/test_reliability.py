@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,6 +150,37 @@ def test_resume_with_another_model_config_says_so(tmp_path, capsys):
     capsys.readouterr()
     assert main(["-q", "train", str(cfg), "--resume", "--set", "model.d_ff=128"]) == 2
     assert "model.d_ff" in capsys.readouterr().err
+
+
+def test_resume_from_an_averaged_checkpoint_names_the_file_that_resumes(tmp_path, capsys):
+    """Issue 22, item 8: best.pt (when the average won) and averaged.pt hold weights only: --resume on them was a
+    KeyError traceback; now one line naming checkpoints/last.pt, exit 2."""
+    corpus = write_corpus(tmp_path / "corpus")
+    cfg = write_config(tmp_path / "v.yaml", corpus, tmp_path / "v", max_steps=4, valid_every=2, average_last=2)
+    assert main(["-q", "train", str(cfg)]) == 0
+    ckpt_dir = tmp_path / "v" / "checkpoints"
+    shutil.copy(ckpt_dir / "averaged.pt", ckpt_dir / "best.pt")  # as when the average validates best
+    capsys.readouterr()
+    for name in ("averaged.pt", "best.pt"):
+        _one_line_error(capsys, ["-q", "train", str(cfg), "--resume", str(ckpt_dir / name)], name, "weights only",
+                        str(ckpt_dir.resolve() / "last.pt"))
+
+
+def test_resume_of_a_finished_run_trains_nothing_and_rewrites_nothing(tmp_path):
+    """Issue 22, item 8: a resume at max_steps trained update max_steps + 1, rewrote last.pt and averaged again."""
+    corpus = write_corpus(tmp_path / "corpus")
+    cfg = write_config(tmp_path / "f.yaml", corpus, tmp_path / "f", max_steps=4, valid_every=2, average_last=2)
+    assert main(["-q", "train", str(cfg)]) == 0
+    run = tmp_path / "f"
+
+    def files():
+        return {p.relative_to(run): (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*.pt")}
+
+    before, events = files(), sorted((run / "tb").glob("events.*"))
+    assert main(["-q", "train", str(cfg), "--resume"]) == 0
+    assert files() == before
+    assert sorted((run / "tb").glob("events.*")) == events
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 4
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -13,9 +13,9 @@ resume makes, loading for inference, and averaging.
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -39,14 +39,48 @@ class CheckpointError(UserError):
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """torch.save into a temporary file beside `path`, fsync, then rename over it."""
-    buf = io.BytesIO()
-    torch.save({**state, "version": __version__}, buf)
+    """torch.save streamed into a temporary file beside `path` (no copy of the checkpoint in memory), fsync, then
+    rename over it."""
     try:
-        atomic_write(path, buf.getbuffer())
+        atomic_write(path, lambda f: torch.save({**state, "version": __version__}, f))
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; "
                               "the previous file at that path is intact") from None
+
+
+def copy_checkpoint(src: Path, dst: Path) -> None:
+    """dst becomes the file src is, atomically: a hard link renamed over dst (no bytes written) or, where the file
+    system has no hard links, a copy written and renamed like a save. Every save renames a new file over its path,
+    so names linked to one file never change together."""
+    tmp = dst.with_name(f".{dst.name}.link{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.link(src, tmp)
+        os.replace(tmp, dst)
+        return
+    except OSError:  # no hard links here (some network and FAT file systems): copy
+        tmp.unlink(missing_ok=True)
+    try:
+        with open(src, "rb") as f:
+            atomic_write(dst, lambda out: shutil.copyfileobj(f, out, 1 << 20))
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoint {dst}: {e.strerror or e}; "
+                              "the previous file at that path is intact") from None
+
+
+def weights_only_error(path: Path) -> CheckpointError:
+    """The resume of a checkpoint without training state (an average), naming the file that resumes."""
+    last = run_dir_of(path) / "checkpoints" / "last.pt"
+    return CheckpointError(f"cannot resume from {path}: it holds weights only (an averaged checkpoint; best.pt and "
+                           f"averaged.pt are after averaging): resume from {last}")
+
+
+def load_training_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint to resume from: loaded, and refused at once (before any set-up) if it holds weights only."""
+    ckpt = load_checkpoint(path, map_location=map_location)
+    if "optimizer" not in ckpt or "train_state" not in ckpt:
+        raise weights_only_error(path)
+    return ckpt
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -138,7 +172,7 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, tokenizer: To
     if diff:
         raise CheckpointError(f"cannot resume from {path}: the model config differs: " + "; ".join(diff))
     if "optimizer" not in ckpt or "train_state" not in ckpt:
-        raise CheckpointError(f"cannot resume from {path}: it holds weights only (an averaged checkpoint?)")
+        raise weights_only_error(path)
 
 
 def restore_training(path: Path, *, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -175,13 +209,15 @@ def training_checkpoint(*, model: Transformer, optimizer: torch.optim.Optimizer,
 
 
 def save_rotating(run_dir: Path, state: dict[str, Any], *, best: bool, keep_last: int) -> None:
-    """last.pt, best.pt when improved, and step_N.pt keeping the newest `keep_last` of them."""
+    """last.pt, best.pt when improved, and step_N.pt keeping the newest `keep_last` of them: serialised once, into
+    last.pt; the others are hard links to (or copies of) that file."""
     ckpt_dir = run_dir / "checkpoints"
-    save_checkpoint(ckpt_dir / "last.pt", state)
+    last = ckpt_dir / "last.pt"
+    save_checkpoint(last, state)
     if best:
-        save_checkpoint(ckpt_dir / "best.pt", state)
+        copy_checkpoint(last, ckpt_dir / "best.pt")
     if keep_last > 0:
-        save_checkpoint(ckpt_dir / f"step_{state['step']}.pt", state)
+        copy_checkpoint(last, ckpt_dir / f"step_{state['step']}.pt")
         for p in step_checkpoints(run_dir)[:-keep_last]:
             p.unlink(missing_ok=True)
 

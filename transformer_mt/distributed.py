@@ -71,8 +71,19 @@ def rank_zero_first(d: Dist) -> Iterator[None]:
         dist.barrier()
 
 
+def seed_everything(seed: int, rank: int = 0) -> None:
+    """Seed Python's, NumPy's and torch's generators with seed + rank: each data-parallel rank draws its own dropout
+    masks (alike, they would drop the same units on every rank's batch), and rank 0 draws what one process would.
+    What the ranks must share does not come from these streams: the batch order is a function of (seed, epoch)
+    and DDP broadcasts rank 0's initial weights."""
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
 def agree(d: Dist, device: torch.device, *flags: bool) -> tuple[bool, ...]:
-    """Flags that any rank raised, seen by every rank (one tiny all-reduce under DDP)."""
+    """Flags that any rank raised, seen by every rank (one tiny all-reduce under DDP, and a host sync: call it
+    at log and validation steps, not every step; with one process it is free)."""
     if d.world == 1:
         return flags
     t = torch.tensor([float(f) for f in flags], device=device)

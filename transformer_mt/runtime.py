@@ -9,6 +9,7 @@ import contextlib
 import copy
 import ctypes
 import math
+import os
 import sys
 import time
 import warnings
@@ -88,23 +89,72 @@ def quantize_linear(model: torch.nn.Module) -> torch.nn.Module:
                                 dtype=torch.qint8)
 
 
-def fastest_cpu_precision(step: Callable[[str], None], repeats: int = 2,
-                          candidates: tuple[str, ...] = ("fp32", "bf16")) -> tuple[str, dict[str, float]]:
-    """The candidate precision that runs `step(precision)` (one training step of the model) fastest here, and
-    the seconds each took (the best of `repeats` after a warm-up). bf16 autocast is ~1.3x faster on CPUs whose
-    AMX units multiply bf16 (Intel Sapphire Rapids on), and can be slower where bf16 is emulated or only
-    converted (AVX512-BF16 without AMX), where bf16 for the output layer alone can still pay: measuring beats
-    guessing from CPU flags."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) at or above AVX512_CORE_BF16; any other cap leaves it without bf16.
+_ONEDNN_BF16_ISAS = ("BF16", "FP16", "AMX", "AVX10")
+
+
+def cpu_bf16_obstacle() -> str:
+    """Why bf16 matrix products would be emulated on this CPU ("" when they are native): no avx512_bf16 or
+    amx_bf16 flag, or torch's dispatch (ATEN_CPU_CAPABILITY) or oneDNN (ONEDNN_MAX_CPU_ISA) capped below AVX-512."""
+    flags = cpu_flags()
+    if not flags & {"avx512_bf16", "amx_bf16"}:
+        return "the CPU has no avx512_bf16 or amx_bf16 flag"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.upper().startswith("AVX512"):
+        return f"torch dispatches {capability} kernels (ATEN_CPU_CAPABILITY)"
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa not in ("", "ALL", "DEFAULT") and not any(tag in isa for tag in _ONEDNN_BF16_ISAS):
+        return f"ONEDNN_MAX_CPU_ISA={isa}"
+    return ""
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and torch and oneDNN may use it."""
+    return not cpu_bf16_obstacle()
+
+
+def fastest_cpu_precision(step: Callable[[str], None], repeats: int = 2, candidates: tuple[str, ...] = ("fp32", "bf16"),
+                          *, slower: float = 2.0, clock: Callable[[], float] = time.perf_counter
+                          ) -> tuple[str, dict[str, float], dict[str, str]]:
+    """The candidate precision that runs `step(precision)` (one training step of the model) fastest here, the
+    seconds each took (the best of `repeats` after a warm-up), and the candidates skipped, with why. bf16 autocast is
+    ~1.3x faster on CPUs whose AMX units multiply bf16 (Intel Sapphire Rapids on), and can be slower where bf16 is
+    only converted (AVX512-BF16 without AMX), where bf16 for the output layer alone can still pay: measuring beats
+    guessing. But where bf16 is emulated (no AVX512-BF16/AMX: 24x slower than fp32 on an AVX2 EPYC) the bf16
+    candidates are not timed at all, and a candidate whose warm-up step takes over `slower` times the first
+    candidate's (fp32's) is dropped after it: the probe costs a few steps, not a minute. With one candidate left,
+    nothing is timed (`seconds` is empty)."""
+    obstacle = cpu_bf16_obstacle() if any("bf16" in p for p in candidates[1:]) else ""
+    skipped = {p: f"no native bf16: {obstacle}" for p in candidates[1:] if obstacle and "bf16" in p}
+    timed = [p for p in candidates if p not in skipped]
+    if len(timed) == 1:
+        return timed[0], {}, skipped
+    warm: dict[str, float] = {}
     seconds: dict[str, float] = {}
     with torch.random.fork_rng(devices=[]):  # the probe's dropout must not shift the run's random stream
-        for precision in candidates:
+        for precision in list(timed):
+            start = clock()
             step(precision)  # warm-up: first calls allocate and pick kernels
+            warm[precision] = clock() - start
+            if precision != candidates[0] and warm[precision] > slower * warm[candidates[0]]:
+                skipped[precision] = (f"its first step took {1000 * warm[precision]:.0f} ms, over {slower:g}x "
+                                      f"{candidates[0]}'s {1000 * warm[candidates[0]]:.0f} ms")
+                timed.remove(precision)
         for _ in range(repeats):
-            for precision in candidates:
-                start = time.perf_counter()
+            for precision in timed:
+                start = clock()
                 step(precision)
-                seconds[precision] = min(seconds.get(precision, math.inf), time.perf_counter() - start)
-    return min(seconds, key=seconds.get), seconds
+                seconds[precision] = min(seconds.get(precision, math.inf), clock() - start)
+    return min(seconds, key=seconds.get), seconds, skipped
 
 
 def keep_freed_memory() -> bool:

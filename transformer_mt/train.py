@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import random
 import signal
 import threading
 import time
@@ -26,13 +25,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpoint import (CheckpointError, average_checkpoints, load_checkpoint, restore_training, save_checkpoint,
-                         save_rotating, step_checkpoints, step_of, training_checkpoint, validation_score)
+from .checkpoint import (CheckpointError, average_checkpoints, copy_checkpoint, load_training_checkpoint,
+                         restore_training, save_checkpoint, save_rotating, step_checkpoints, step_of,
+                         training_checkpoint, validation_score)
 from .config import Config, DecodeConfig, TrainConfig, save_config
 from .data import (Batch, DataError, TokenizedCorpus, cache_dir, collate, iter_split, load_tokenized, make_batches,
                    read_split, usable_indices)
 from .distributed import (Dist, agree, agree_min, gathered_rng, global_sum, init_distributed, leave_distributed,
-                          rank_device, rank_zero_first, restore_rng)
+                          rank_device, rank_zero_first, restore_rng, seed_everything)
 from .errors import UserError
 from .metrics import score
 from .model import Transformer
@@ -155,6 +155,17 @@ def prepare_data(cfg: Config, tokenizer: Tokenizer) -> TrainingData:
     return data
 
 
+def prepare_run(cfg: Config, run_dir: Path, d: Dist) -> tuple[Tokenizer, TrainingData]:
+    """The run directory with its config, the tokenizer and the tokenized data. Rank 0 trains the tokenizer and
+    fills the cache; the other ranks then read them."""
+    with rank_zero_first(d):
+        if d.main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
+        tokenizer = prepare_tokenizer(cfg, run_dir)
+        return tokenizer, prepare_data(cfg, tokenizer)
+
+
 def build_optimizer(model: Transformer, tc: TrainConfig, device: torch.device,
                     cooldown: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> tuple[torch.optim.Optimizer, Any]:
     """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR, times the cooldown
@@ -191,13 +202,12 @@ def training_forward(model: Transformer, tc: TrainConfig, d: Dist, device: torch
 
 
 def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device, str]:
-    """Threads, seeds, the process group; this process's device and the resolved precision."""
+    """Threads, the process group, seeds (seed + rank: each rank its own dropout masks); this process's device
+    and the resolved precision."""
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    random.seed(tc.seed)
-    np.random.seed(tc.seed)
-    torch.manual_seed(tc.seed)
     d = init_distributed(tc.device)
+    seed_everything(tc.seed, d.rank)
     device = rank_device(d, pick_device(tc.device))
     if device.type == "cpu" and keep_freed_memory():
         log.debug("malloc keeps freed memory: no page faults for each step's large tensors")
@@ -212,29 +222,35 @@ def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: t
     """precision auto on a CPU: time a training step of this model on a synthetic batch of train.max_tokens
     (at most 4,096) in fp32, in bf16 autocast and in fp32 with a bf16 output layer, and train in the fastest,
     but in fp32 unless that is at least 10% faster (fp32 is exact, so it wins near-ties and the choice does
-    not flip on timing noise). A batch of the run's size: how much the output layer weighs depends on it."""
-    vocab, T = model.generator.out_features, 24
-    ids = (torch.arange(max(1, min(tc.max_tokens, 4096) // T) * T) % (vocab - 4) + 4).view(-1, T).to(device)
+    not flip on timing noise). A batch of the run's size: how much the output layer weighs depends on it.
+    bf16 candidates are not timed where the CPU emulates bf16, nor further where their first step is slow."""
+    T = 24
+    n = max(1, min(tc.max_tokens, 4096) // T) * T
+    # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than the source's),
+    # above the special ids.
+    src = (torch.arange(n) % (model.src_embed.lut.num_embeddings - 4) + 4).view(-1, T).to(device)  # (B, T)
+    tgt = (torch.arange(n) % (model.generator.out_features - 4) + 4).view(-1, T).to(device)  # (B, T)
 
     def step(precision: str) -> None:
         model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
         with autocast(precision, device):
-            logits = model(ids, ids)  # (B, T, V)
-        label_smoothed_loss(logits, ids, tc.label_smoothing).backward()
+            logits = model(src, tgt)  # (B, T, V)
+        label_smoothed_loss(logits, tgt, tc.label_smoothing).backward()
         model.zero_grad(set_to_none=True)
 
-    fastest, seconds = fastest_cpu_precision(step, candidates=CPU_PRECISIONS)
+    fastest, seconds, skipped = fastest_cpu_precision(step, candidates=CPU_PRECISIONS)
     model.output_dtype = None
-    mine = fastest if seconds[fastest] < 0.9 * seconds["fp32"] else "fp32"
+    mine = fastest if seconds and seconds[fastest] < 0.9 * seconds["fp32"] else "fp32"
     choice = CPU_PRECISIONS[agree_min(d, device, CPU_PRECISIONS.index(mine))]
-    log.info("precision auto: a training step took %s on this CPU; training in %s",
-             ", ".join(f"{1000 * s:.0f} ms in {p}" for p, s in seconds.items()), choice)
+    timed = ", ".join(f"{1000 * s:.0f} ms in {p}" for p, s in seconds.items())
+    log.info("precision auto: %s%s; training in %s", f"a training step took {timed} on this CPU" if timed else
+             "nothing timed", "".join(f"; {p} skipped ({why})" for p, why in skipped.items()), choice)
     return choice
 
 
 def set_up_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device, precision: str,
                      resumed_ckpt: Optional[dict[str, Any]] = None) -> str:
-    """The precision to train in (auto on a CPU: measured, not guessed from CPU flags; a resumed auto run keeps
+    """The precision to train in (auto on a CPU: measured, bf16 only where the CPU has it; a resumed auto run keeps
     the one it began in, so one run never mixes two); bf16-output sets the model's output projection to bf16."""
     resumed = resumed_ckpt["train_state"].get("precision", "") if resumed_ckpt is not None else ""
     if tc.precision == "auto" and resumed:
@@ -263,6 +279,19 @@ def plan_cooldown(state: TrainState, tc: TrainConfig, d: Dist, device: torch.dev
     log.info("cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f updates/min, %.1f of "
              "train.max_minutes=%g left)", state.step, state.cooldown_end, steps_per_minute, left, tc.max_minutes)
     return state.cooldown_end
+
+
+def stopped_already(tc: TrainConfig, state: TrainState) -> str:
+    """Why a resumed run has nothing left to train ("" if it has): a limit it had reached when it was saved."""
+    if state.step >= tc.max_steps:
+        return f"train.max_steps={tc.max_steps} reached"
+    if state.step >= state.cooldown_end > 0:
+        return f"the cooldown's last update (train.cooldown={tc.cooldown:g}) done"
+    if state.epoch > tc.max_epochs:
+        return f"train.max_epochs={tc.max_epochs} reached"
+    if tc.max_minutes and state.seconds >= 60 * tc.max_minutes:
+        return f"train.max_minutes={tc.max_minutes:g} reached"
+    return ""
 
 
 # --------------------------------------------------------------------------- loop helpers
@@ -358,18 +387,12 @@ class Trainer:
         self.cfg, self.run_dir, tc = cfg, Path(cfg.output_dir), cfg.train
         resume_from = resume_path(self.run_dir, resume)
         self.dist, self.device, self.precision = init_runtime(tc)
-        with rank_zero_first(self.dist):  # rank 0 trains the tokenizer and fills the cache; the others read them
-            if self.dist.main:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                save_config(cfg, self.run_dir / "config.yaml")
-            self.tokenizer = prepare_tokenizer(cfg, self.run_dir)
-            self.data = prepare_data(cfg, self.tokenizer)
-        self.train_data, self.train_idx = self.data.train, self.data.train_idx
+        resumed = load_training_checkpoint(resume_from, map_location=self.device) if resume_from is not None else None
+        self.tokenizer, self.data = prepare_run(cfg, self.run_dir, self.dist)
         self.batches = EpochBatches(self.data, tc, self.dist)
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # BLEU scores the raw references
         self.model = Transformer(cfg.model, *self.tokenizer.sizes()).to(self.device)
-        resumed = load_checkpoint(resume_from, map_location=self.device) if resume_from is not None else None
         self.precision = set_up_precision(self.model, tc, self.dist, self.device, self.precision, resumed)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.state, self.writer = TrainState(), _NullWriter()  # the event writer opens when training starts
@@ -388,17 +411,23 @@ class Trainer:
         log.info("resumed from %s: step %d, epoch %d, batch %d of the epoch", path, self.state.step,
                  self.state.epoch, self.state.batch_in_epoch)
 
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        return self.batches.epoch(epoch)
-
-    def _batches(self) -> Iterator[tuple[Batch, int]]:
-        return self.batches.stream(self.state)
-
     def train(self) -> dict[str, Any]:
-        """Run until max_steps, max_epochs, the time budget or early stopping; return a summary."""
+        """Run until max_steps, max_epochs, the time budget or early stopping, and return a summary; a resumed run
+        that had stopped there trains and writes nothing. DDP ranks agree at log and validation steps only."""
+        done = stopped_already(self.cfg.train, self.state)
+        if done:
+            log.info("nothing to train: %s when the resumed checkpoint was written; its checkpoints are left as "
+                     "they are", done)
+            return self.state.summary(done, self.minutes(), self.run_dir, self.dist.rank)
+        try:
+            return self._train()
+        finally:
+            self.writer.close()  # flushed and closed on every way out: NaN, signals, errors
+
+    def _train(self) -> dict[str, Any]:
         tc = self.cfg.train
         bar, peak = self._start()
-        batches, meter = self._batches(), Meter(self.device, self.state.step + 1, peak)
+        batches, meter = self.batches.stream(self.state), Meter(self.device, self.state.step + 1, peak)
         validated_at, reason = -1, ""
         self.model.train()
         first_step, first_minute = self.state.step, self.minutes()  # this process's step rate, for the plan
@@ -417,8 +446,9 @@ class Trainer:
                 step = self.state.step
                 now, budget = self.minutes(), tc.max_minutes or math.inf
                 cooling_due = step < self.state.cooldown_start and now >= (1 - tc.cooldown) * budget
+                due = self.dist.world == 1 or step % tc.log_every == 0 or step % tc.valid_every == 0
                 out_of_time, interrupted, cool = agree(self.dist, self.device, now >= budget, signals.caught is not None,
-                                                       cooling_due)
+                                                       cooling_due) if due else (False, False, False)
                 if cool:  # the time budget will end the run before max_steps: cool down over its last part
                     rate = (step - first_step) / max(now - first_minute, 1e-9)
                     bar.total = plan_cooldown(self.state, tc, self.dist, self.device, now, rate)
@@ -451,10 +481,10 @@ class Trainer:
         if main:
             from torch.utils.tensorboard import SummaryWriter  # imported late: slow, and only the loop needs it
             self.writer = SummaryWriter(str(self.run_dir / "tb"))
-            describe_run(tc, self.dist, self.device, self.precision, self.model, self.data, len(self.epoch_batches(1)))
+            describe_run(tc, self.dist, self.device, self.precision, self.model, self.data, len(self.batches.epoch(1)))
         m = self.cfg.model
         bar = tqdm(total=self.state.cooldown_end or tc.max_steps, initial=self.state.step, desc="train", unit="step",
-                   dynamic_ncols=True, mininterval=1.0, disable=not main)
+                   dynamic_ncols=True, mininterval=1.0, disable=not main or log.level > logging.INFO)  # tmt -q
         return bar, matmul_gflops(self.device, compute_dtype(self.precision), 4096, m.d_model, m.d_ff)
 
     def _report(self, meter: Meter, bar: tqdm, logged: bool) -> None:
@@ -475,7 +505,6 @@ class Trainer:
         last = self.run_dir / "checkpoints" / "last.pt"
         if self.dist.main:
             save_checkpoint(last, self._checkpoint({}, rng))
-        self.writer.close()
         raise TrainingInterrupted(f"{signal_name or 'signal'}: stopped after step {self.state.step}, saved {last}; "
                                   "continue with the same command plus --resume", 143 if signal_name == "SIGTERM" else 130)
 
@@ -535,7 +564,7 @@ class Trainer:
             improved = self.state.record_validation(validation_score(metrics))
             self.save(metrics, best=improved, rng=rng)
             msg = " ".join(f"{k} {v:.2f}" for k, v in metrics.items()) or "(no validation set)"
-            (bar.write if bar else log.info)(f"step {step}: valid {msg}{' (best)' if improved else ''}")
+            (bar.write if bar and not bar.disable else log.info)(f"step {step}: valid {msg}{' (best)' if improved else ''}")
             stop = bool(self.cfg.train.patience) and self.state.bad_validations >= self.cfg.train.patience
         return agree(self.dist, self.device, stop)[0]
 
@@ -608,7 +637,7 @@ def average_and_validate(run_dir: Path, n: int, model: Transformer, validate: Ca
     current = validation_score(metrics)
     better = current is not None and current > best_score
     if better:
-        save_checkpoint(ckpt_dir / "best.pt", averaged)
+        copy_checkpoint(ckpt_dir / "averaged.pt", ckpt_dir / "best.pt")  # serialised once
     log.info("averaged %d checkpoints (steps %s): valid %s%s", len(paths), ", ".join(str(step_of(p)) for p in paths),
              " ".join(f"{k} {v:.2f}" for k, v in metrics.items()), " (best: now best.pt)" if better else "")
 

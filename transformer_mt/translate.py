@@ -5,6 +5,7 @@ sampling) and scores given translations (forced decoding), in batches sorted by 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +18,12 @@ from .config import Config, ConfigError, DecodeConfig
 from .data import DataError, chunks
 from .export import is_export
 from .model import Ensemble, Transformer
-from .runtime import inference_model, pick_device
+from .runtime import cpu_bf16_obstacle, cpu_has_native_bf16, inference_model, pick_device
 from .search import Hypothesis, Sampling, score_ids, translate_ids
 from .tokenizer import Tokenizer
 from .vocab import BOS, EOS
+
+log = logging.getLogger("transformer_mt")
 
 
 @dataclass
@@ -281,7 +284,12 @@ def load_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.P
     if len(loaded) > 1:
         model = Ensemble([m for m, _, _, _ in loaded])
     cfg.decode = decode_overrides(cfg.decode, beam=beam, alpha=alpha, max_len=max_len)
-    precision = precision or trained_precision(ckpt, paths[0], cfg)
+    if precision is None:
+        precision = trained_precision(ckpt, paths[0], cfg)
+        if precision == "bf16" and target.type == "cpu" and not cpu_has_native_bf16():
+            log.info("the run trained in bf16, but bf16 is emulated on this CPU (%s): decoding in fp32 "
+                     "(--precision bf16 insists)", cpu_bf16_obstacle())
+            precision = "fp32"
     translator = Translator(model, tokenizer, cfg.decode, device=target, precision=precision)
     translator.checkpoint, translator.config, translator.step = paths[0], cfg, ckpt.get("step")
     return translator
