@@ -20,7 +20,6 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_decode import peak_rss_mb  # noqa: E402
 from benchlib import cpu_bf16, cpu_model, replace_section  # noqa: E402
 from transformer_mt.config import config_from_dict  # noqa: E402
 from transformer_mt.data import Batch, collate, make_batches  # noqa: E402
@@ -453,7 +453,7 @@ def main() -> int:
     step_bf16_output, _ = ours_step_fn(BENCH_CONFIG, "bf16-output")
     vocab = trainer.tokenizer.tgt_vocab_size
     need = args.warmup + args.steps
-    batches = [collate(trainer.train_data, b) for b in trainer.epoch_batches(1)[:need]]
+    batches = [collate(trainer.data.train, b) for b in trainer.batches.epoch(1)[:need]]
     real_s = sum(b.n_src_tokens for b in batches)
     real_t = sum(b.n_tgt_tokens for b in batches)
     res["padding"] = {"src": 1 - real_s / sum(b.src.numel() for b in batches),
@@ -488,12 +488,12 @@ def main() -> int:
 
     log("tokens/s against batch size")
     res["batch_scaling"] = []
-    tr_idx = trainer.train_idx
+    tr_idx = trainer.data.train_idx
     for mt in (1024, 2048, 4096, 8192, 16384):
-        order = make_batches(trainer.train_data.src_lens[tr_idx], trainer.train_data.tgt_lens[tr_idx], mt,
+        order = make_batches(trainer.data.train.src_lens[tr_idx], trainer.data.train.tgt_lens[tr_idx], mt,
                              seed=42, epoch=1)
         n = max(3, min(12, int(12 * 4096 / mt)))  # about the same number of tokens at every size
-        bs = [collate(trainer.train_data, tr_idx[b]) for b in order[:n + 2]]
+        bs = [collate(trainer.data.train, tr_idx[b]) for b in order[:n + 2]]
         res["batch_scaling"].append({"max_tokens": mt, "tok_s": time_windows(step_bf16, bs, 2, window=n)[0],
                                      "sentences": statistics.mean(b.src.size(0) for b in bs)})
     log("decoding cost against length")
@@ -509,7 +509,7 @@ def main() -> int:
                                     f"fairseq for {args.decode_minutes} minutes each)")
         else:
             res["notes"].append("peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)")
-    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    res["peak_rss_mb"] = peak_rss_mb()
     Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
     write_report(res, Path(args.out))
     log(f"wrote {args.out} and {args.json}")

@@ -161,7 +161,8 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="float32",
                    help="how the weights are stored: int8 is about 4x smaller and the fastest on CPUs; "
                         "CTranslate2 can still load them in another compute type (default: float32)")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty --output")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier export in --output whole (its files do not survive)")
 
 
 def _add_model_flags(p: argparse.ArgumentParser, *, decoding: bool = True) -> None:

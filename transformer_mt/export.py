@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,22 +48,51 @@ def is_export(path: str | Path) -> bool:
 
 def export_ctranslate2(checkpoint: Optional[str | Path], output: str | Path, quantization: str = "float32",
                        force: bool = False) -> Path:
-    """Convert a checkpoint (or a run directory's best) into a CTranslate2 model directory `output`."""
+    """Convert a checkpoint (or a run directory's best) into a CTranslate2 model directory `output`.
+
+    The export is written into a temporary directory beside `output` and renamed into place, so `output`
+    is whole or untouched; force=True replaces an earlier export whole (no stale file of it survives)."""
     if quantization not in QUANTIZATIONS:
         raise ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     ct2 = import_ctranslate2()
     path = resolve_checkpoint(checkpoint)
-    model, tokenizer, cfg, ckpt = load_for_inference(path, "cpu")
     out = Path(output)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ExportError(f"{out} exists and is not empty: choose another --output or pass --force")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise ExportError(f"{out} exists and is not empty: choose another --output or pass --force")
+        if not (out / MANIFEST).is_file():  # --force empties a directory: only one that holds an earlier export
+            raise ExportError(f"{out} is not a tmt export (no {MANIFEST}): --force replaces only an earlier "
+                              "export; choose another --output")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        _write_export(ct2, path, tmp, quantization)
+        if out.exists():  # the earlier export goes aside, the new one takes its name, then the old one goes
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+            try:
+                os.replace(tmp, out)
+            except OSError:
+                os.replace(old / out.name, out)
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_export(ct2: Any, path: Path, out: Path, quantization: str) -> None:
+    """Everything an export holds, written into the (empty) directory `out`."""
+    model, tokenizer, cfg, ckpt = load_for_inference(path, "cpu")
     spec = model_spec(ct2, model, tokenizer)
     try:
         spec.validate()
         spec.optimize(quantization=quantization)
     except (ValueError, TypeError) as e:
         raise ExportError(f"CTranslate2 refused the converted model: {e}") from None
-    out.mkdir(parents=True, exist_ok=True)
     spec.save(str(out))
     tokenizer.save(out)
     save_config(cfg, out / "tmt_config.yaml")
@@ -70,22 +102,78 @@ def export_ctranslate2(checkpoint: Optional[str | Path], output: str | Path, qua
                 "parameters": model.num_parameters()}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     (out / "README.md").write_text(_readme(path, manifest))
+
+
+def export_tokenizer(directory: Path, manifest: dict[str, Any]) -> Tokenizer:
+    """The SentencePiece model(s) of an export, checked against the digest its manifest recorded: a model
+    copied or left over from another export would tokenize silently wrong."""
+    tokenizer = Tokenizer.load(directory)
+    if manifest.get("tokenizer") not in (None, tokenizer.digest):
+        files = "spm.model" if tokenizer.joint else "spm.src.model + spm.tgt.model"
+        raise UserError(f"{directory / MANIFEST} records tokenizer {manifest['tokenizer']} but {files} in {directory} "
+                        f"is {tokenizer.digest}: the SentencePiece model does not belong to this export; export "
+                        "again (tmt export --force) or copy the model(s) from the run it came from")
+    return tokenizer
+
+
+CACHE_KEEP = 3  # exports kept in a run's ct2-cache/, the most recently used
+_DIGESTS: dict[tuple[Any, ...], str] = {}
+
+
+def checkpoint_digest(path: Path) -> str:
+    """sha256 of the checkpoint's bytes; memoised for this process by the file's identity, size, mtime and
+    ctime (a rewrite changes the ctime, which no tool sets back)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+def cached_export(checkpoint: Path, cache_root: Path, keep: int = CACHE_KEEP) -> Path:
+    """A float32 export of `checkpoint` under cache_root, made once per checkpoint content (its digest names
+    it); CTranslate2 quantizes on load to the compute type asked for. Each process converts into its own
+    temporary directory and renames it into place; if another process put the same export there meanwhile,
+    its copy is kept and this one discarded. Only the `keep` most recently used exports stay."""
+    out = cache_root / f"{checkpoint.stem}-{checkpoint_digest(checkpoint)[:16]}"
+    if is_export(out):
+        os.utime(out)  # most recently used
+    else:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=cache_root))
+        try:
+            export_ctranslate2(checkpoint, work / out.name, "float32")
+            try:
+                os.rename(work / out.name, out)  # atomic; refused when `out` appeared meanwhile
+            except OSError:
+                if not is_export(out):
+                    raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    _prune(cache_root, keep, out)
     return out
 
 
-def cached_export(checkpoint: Path, cache_root: Path) -> Path:
-    """A float32 export of `checkpoint` under cache_root, made once per checkpoint content (its size and
-    modification time name it); CTranslate2 quantizes on load to the compute type asked for."""
-    stat = checkpoint.stat()
-    key = hashlib.blake2b(f"{checkpoint.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode(), digest_size=8)
-    out = cache_root / f"{checkpoint.stem}-{key.hexdigest()}"
-    if not is_export(out):
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        export_ctranslate2(checkpoint, tmp, "float32", force=True)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)  # whole or not at all: a killed export leaves only .tmp behind
-    return out
+def _prune(cache_root: Path, keep: int, current: Path) -> None:
+    """Remove all but the `keep` most recently used exports (never `current`), and temporary directories an
+    interrupted conversion left behind more than an hour ago."""
+    entries = {p: _mtime_ns(p) for p in cache_root.iterdir() if p.is_dir()}  # another process may remove some
+    exports = sorted((p for p in entries if not p.name.startswith(".") and p != current), key=entries.get,
+                     reverse=True)
+    stale = [p for p, t in entries.items() if p.name.startswith(".") and t < time.time_ns() - 3600 * 10**9]
+    for p in exports[max(keep - 1, 0):] + stale:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return 0
 
 
 # --------------------------------------------------------------------------- the specification
