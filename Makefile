@@ -34,12 +34,14 @@ test-browser: install
 	  { apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 	$(PY) -m pytest -q -m browser
 
-# Speed side by side with the peers (../shared/peers, optional), and serving -> BENCHMARKS.md, bench*.json.
+# Speed side by side with the peers (../shared/peers, optional), serving under load, and `make demo` from a fresh
+# clone with AVX2 kernels only -> BENCHMARKS.md, bench*.json.
 bench: install
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_serve.py
 	$(PY) scripts/soak_serve.py
 	$(PY) scripts/bench_allocator.py
+	$(PY) scripts/bench_demo.py --avx2
 
 # The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.
 bench-quality: install
