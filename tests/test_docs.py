@@ -34,3 +34,24 @@ def test_every_cli_flag_is_in_the_readme():
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":
                     assert flag in README, f"tmt {name} {flag} is not mentioned in README.md"
+
+
+def test_the_readmes_figures_for_the_demo_and_the_server_are_the_codes():
+    """Issue 22, item 20: the README promised a demo budget and a batch bound that the code did not keep."""
+    from transformer_mt.config import load_config
+    from transformer_mt.serve import Limits
+
+    demo = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml").train
+    assert f"`train.max_minutes: {demo.max_minutes:g}`" in README and f"{demo.max_steps} updates" in README
+    assert demo.cooldown > 0  # the README says a run cut short by the budget ends annealed
+    limits = Limits()
+    assert f"`--batch-lines` lines, {limits.batch_lines}" in README
+    assert f"`--max-work` ({limits.max_work:,} steps)" in README
+
+
+def test_the_readme_claims_no_decoding_row_that_the_bench_does_not_measure():
+    import re
+
+    scripts = Path(__file__).parent.parent / "scripts"
+    if "joey" not in (scripts / "bench_decode.py").read_text(encoding="utf-8").lower():
+        assert not re.search(r"decod[^.]*JoeyNMT", README), "README says JoeyNMT decoding is measured; nothing does"
