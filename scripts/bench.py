@@ -388,10 +388,19 @@ def decoding_table(res: dict) -> list[str]:
              "CTranslate2 through tmt (which re-ranks CTranslate2's finished hypotheses with it), |Y|^α for fairseq.",
              "", "| contender | engine | precision | sentences/s | runs | × fairseq | × CTranslate2 int8 | peak RSS MB | "
              "BLEU | model | signature |", "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    stale = False
     for name, v in d.items():
+        # Rows our engines measured before issue 22 carry the bench process's peak (ru_maxrss of an exec'd child
+        # inherits its parent's), not their own: not shown. fairseq's comes from the peers kit's own measurement.
+        own = v.get("rss_of") == "self" or v.get("engine") == "fairseq-generate"
+        stale |= not own
+        rss = v.get("peak_rss_mb", "") if own else "–*"
         lines.append(f"| {name} | {v.get('engine', '')} | {v.get('precision', '')} | {v['sent_s']:.1f} | "
                      f"{', '.join(f'{x:.1f}' for x in v['runs'])} | {_ratio(v['sent_s'], fs)} | {_ratio(v['sent_s'], ct2)} | "
-                     f"{v.get('peak_rss_mb', '')} | {v.get('bleu', '')} | `{v.get('model', '')}` | `{v.get('signature', '')}` |")
+                     f"{rss} | {v.get('bleu', '')} | `{v.get('model', '')}` | `{v.get('signature', '')}` |")
+    if stale:
+        lines += ["", "\\* Peak RSS not shown: these rows were measured before each contender reported its own peak "
+                      "(the figure then was the bench process's); the next `make bench` measures it."]
     if fs is None:
         lines += ["", "fairseq-generate did not run: no fairseq model of the same budget was there "
                       "(`make bench-quality` trains one)."]

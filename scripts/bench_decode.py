@@ -69,7 +69,7 @@ def child(engine: str, precision: str, model: str, src: str, ref: str, batch: in
     s = score(hyps, [references], lang=t.config.data.tgt_lang)
     return {"sent_s": len(sources) / seconds, "seconds": seconds, "bleu": round(s["bleu"], 2),
             "signature": s["signature"], "precision": t.precision, "engine": t.engine,
-            "peak_rss_mb": round(peak_rss_mb())}
+            "peak_rss_mb": round(peak_rss_mb()), "rss_of": "self"}  # its own VmHWM (see decoding_table)
 
 
 def decode_engines(checkpoint: Path, src: Path, ref: Path, rounds: int, log: Callable[[str], None], *,

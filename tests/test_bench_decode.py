@@ -70,3 +70,14 @@ def test_the_report_is_written_from_the_json_alone():
     assert "| test, --max-len 0 5 | 1,000 | 998 | 99.80% | 1 | 1 | 0 |" in text
     assert "`Ein Hund läuft`" in text and "beam 5, α 1" in text
     assert bench_decode.peak_rss_mb() > 0
+
+
+def test_the_decoding_table_hides_a_peak_that_is_not_the_contenders_own():
+    """Issue 22, item 19: rows measured before each child reported its own VmHWM carry the bench's peak for all."""
+    import bench
+
+    row = {"engine": "torch", "precision": "fp32", "sent_s": 60.0, "runs": [60.0], "peak_rss_mb": 10152}
+    old = "\n".join(bench.decoding_table({"decoding": {"ours": row}}))
+    new = "\n".join(bench.decoding_table({"decoding": {"ours": {**row, "peak_rss_mb": 452, "rss_of": "self"}}}))
+    assert "10152" not in old and "–*" in old and "Peak RSS not shown" in old
+    assert "| 452 |" in new and "Peak RSS not shown" not in new
