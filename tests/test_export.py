@@ -304,6 +304,11 @@ def test_the_engines_agree_where_the_length_budget_decides(tiny, tmp_path, monke
     monkeypatch.setattr(search, "beam_step", step)
     sources, _ = read_split(load_config(run / "config.yaml").data, "test")
     sources += [f"{a} {b}" for a, b in zip(sources[0::2], sources[1::2])]
+    free = load_translator(run, device="cpu", precision="fp32", beam=5, alpha=1.0, max_len=(0.0, 40))
+    # The budget of 5 binds: most sentences' unconstrained translations are longer than 4 pieces. (Which side
+    # then wins, the cut 4-piece hypotheses or the empty one, is a near thing that the CPU's kernels tip during
+    # training: all empty on AVX2 kernels, 58 of 90 cut on AVX-512 ones. Either way both engines must decide alike.)
+    assert sum(len(h[0].pieces) > 4 for h in free.translate(sources)) > len(sources) // 2
     for max_len in ((0.0, 5), (1.0, 1)):
         ours = load_translator(run, device="cpu", precision="fp32", beam=5, alpha=1.0, max_len=max_len)
         theirs = load_translator(out, engine="ctranslate2", device="cpu", beam=5, alpha=1.0, max_len=max_len)
@@ -312,9 +317,13 @@ def test_the_engines_agree_where_the_length_budget_decides(tiny, tmp_path, monke
             gaps.clear()
             best, second = ours.translate([src], nbest=2)[0]
             clear.append(min(gaps) >= 1e-4 and best.score - second.score >= 1e-4)
-        a = [h[0].pieces for h in ours.translate(sources)]
-        b = [h[0].pieces for h in theirs.translate(sources)]
+        a = [h[0] for h in ours.translate(sources)]
+        b = [h[0] for h in theirs.translate(sources)]
         assert sum(clear) >= 0.8 * len(sources), sum(clear)  # near-ties are the exception
-        assert [i for i in range(len(sources)) if clear[i] and a[i] != b[i]] == [], max_len
-        if max_len == (0.0, 5):
-            assert sum(len(x) == 4 for x in a) > len(sources) // 2  # most outputs end at the budget
+        differ = [i for i in range(len(sources)) if clear[i] and a[i].pieces != b[i].pieces]
+        # The one difference ct2._penalty documents: CTranslate2 picks which finished hypotheses to return by its
+        # own length penalty, which favours longer ones more than GNMT's, so a shorter best of ours (here the
+        # empty translation, on AVX2 kernels) can be left out. Then ours is the shorter and the better by our
+        # ranking; anything else (a budget or search difference) fails, and so does more than a few of these.
+        penalty = [i for i in differ if len(a[i].pieces) < len(b[i].pieces) and a[i].score > b[i].score]
+        assert [i for i in differ if i not in penalty] == [] and len(penalty) <= 0.1 * len(sources), max_len
