@@ -185,3 +185,20 @@ def test_malloc_keeps_freed_memory_so_big_tensors_stop_faulting():
     assert faults["default"] > 30 * 16000 * 0.9  # every 64 MB block came back as fresh pages
     assert faults["keep"] < faults["default"] / 6, faults  # at most a few more growths of the heap
     assert minor_faults() > 0
+
+
+def test_a_folder_renamed_into_place_has_a_plain_mkdirs_permissions(tmp_path):
+    """Exports and token-cache entries are filled in a temporary folder, then renamed: mkdtemp's 0700 made them
+    unreadable to any other user (a service account serving an export); they get what mkdir gives."""
+    import os
+
+    from transformer_mt.fileio import temp_dir
+
+    umask = os.umask(0o022)
+    try:
+        (tmp_path / "plain").mkdir()
+        made = temp_dir(tmp_path, prefix="x.")
+    finally:
+        os.umask(umask)
+    assert made.parent == tmp_path and made.name.startswith("x.")
+    assert made.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o755

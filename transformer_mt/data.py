@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator, Optional, Sequence
@@ -26,6 +25,7 @@ import torch
 
 from .config import DataConfig
 from .errors import UserError
+from .fileio import temp_dir
 from .tokenizer import Tokenizer
 from .vocab import BOS, EOS, PAD
 
@@ -318,7 +318,7 @@ class _CorpusWriter:
     def __enter__(self) -> "_CorpusWriter":
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         # Unique per writer (not per pid: threads, and a pid reused after a crash): nobody else touches it.
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.folder.name}.tmp{os.getpid()}-", dir=self.folder.parent))
+        self.tmp = temp_dir(self.folder.parent, prefix=f"{self.folder.name}.tmp{os.getpid()}-")
         self.files = [open(self.tmp / "src_ids.bin", "wb"), open(self.tmp / "tgt_ids.bin", "wb")]
         self.lens: list[list[np.ndarray]] = [[], []]
         return self
@@ -357,7 +357,7 @@ def _publish(tmp: Path, folder: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             return
         if not attempt:  # incomplete: not written by this code, which publishes whole folders; move it aside
-            aside = Path(tempfile.mkdtemp(prefix=f"{folder.name}.stale-", dir=folder.parent))
+            aside = temp_dir(folder.parent, prefix=f"{folder.name}.stale-")
             with contextlib.suppress(OSError):  # another process may have moved it already
                 os.replace(folder, aside / folder.name)
             shutil.rmtree(aside, ignore_errors=True)

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -22,6 +21,7 @@ import torch
 from .checkpoint import load_for_inference, resolve_checkpoint
 from .config import QUANTIZATIONS, save_config
 from .errors import UserError
+from .fileio import temp_dir
 from .model import MultiHeadAttention, Transformer
 from .tokenizer import Tokenizer
 from .vocab import BOS, EOS, UNK
@@ -64,11 +64,11 @@ def export_ctranslate2(checkpoint: Optional[str | Path], output: str | Path, qua
             raise ExportError(f"{out} is not a tmt export (no {MANIFEST}): --force replaces only an earlier "
                               "export; choose another --output")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = temp_dir(out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
         _write_export(ct2, path, tmp, quantization)
         if out.exists():  # the earlier export goes aside, the new one takes its name, then the old one goes
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            old = temp_dir(out.parent, prefix=f".{out.name}.", suffix=".old")
             os.replace(out, old / out.name)
             try:
                 os.replace(tmp, out)
@@ -140,11 +140,15 @@ def cached_export(checkpoint: Path, cache_root: Path, keep: int = CACHE_KEEP) ->
     temporary directory and renames it into place; if another process put the same export there meanwhile,
     its copy is kept and this one discarded. Only the `keep` most recently used exports stay."""
     out = cache_root / f"{checkpoint.stem}-{checkpoint_digest(checkpoint)[:16]}"
-    if is_export(out):
-        os.utime(out)  # most recently used
-    else:
+    fresh = is_export(out)
+    if fresh:
+        try:
+            os.utime(out)  # most recently used
+        except FileNotFoundError:  # another process pruned it just now: convert it again
+            fresh = False
+    if not fresh:
         cache_root.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=cache_root))
+        work = temp_dir(cache_root, prefix=f".{out.name}.", suffix=".tmp")
         try:
             export_ctranslate2(checkpoint, work / out.name, "float32")
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import IO, Callable
 
@@ -28,3 +29,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         tmp.unlink(missing_ok=True)
         raise
 
+
+
+def temp_dir(parent: str | os.PathLike, prefix: str, suffix: str = "") -> Path:
+    """A new private folder in `parent` to fill and then rename into place, with the permissions a plain mkdir
+    gives (mkdtemp's are 0700: a cache entry or an export renamed from it would be its owner's alone)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+    return path

@@ -281,13 +281,16 @@ def plan_cooldown(state: TrainState, tc: TrainConfig, d: Dist, device: torch.dev
     return state.cooldown_end
 
 
-def stopped_already(tc: TrainConfig, state: TrainState) -> str:
-    """Why a resumed run has nothing left to train ("" if it has): a limit it had reached when it was saved."""
+def stopped_already(tc: TrainConfig, state: TrainState, batches: EpochBatches) -> str:
+    """Why a resumed run has nothing left to train ("" if it has): a limit it had reached when it was saved. A run
+    saved after its last epoch's last batch still counts that epoch (the stream moves on only when asked)."""
     if state.step >= tc.max_steps:
         return f"train.max_steps={tc.max_steps} reached"
     if state.step >= state.cooldown_end > 0:
         return f"the cooldown's last update (train.cooldown={tc.cooldown:g}) done"
-    if state.epoch > tc.max_epochs:
+    last_done = (state.epoch == tc.max_epochs
+                 and state.batch_in_epoch >= len(batches.epoch(state.epoch)) // batches.dist.world)
+    if state.epoch > tc.max_epochs or last_done:
         return f"train.max_epochs={tc.max_epochs} reached"
     if tc.max_minutes and state.seconds >= 60 * tc.max_minutes:
         return f"train.max_minutes={tc.max_minutes:g} reached"
@@ -414,7 +417,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Run until max_steps, max_epochs, the time budget or early stopping, and return a summary; a resumed run
         that had stopped there trains and writes nothing. DDP ranks agree at log and validation steps only."""
-        done = stopped_already(self.cfg.train, self.state)
+        done = stopped_already(self.cfg.train, self.state, self.batches)
         if done:
             log.info("nothing to train: %s when the resumed checkpoint was written; its checkpoints are left as "
                      "they are", done)
