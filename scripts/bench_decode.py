@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (engine, precision); CTranslate2 reads the export of its own quantization
@@ -49,7 +49,7 @@ def child(engine: str, precision: str, model: str, src: str, ref: str, batch: in
 
     from transformer_mt.data import chunks, read_lines
     from transformer_mt.metrics import score
-    from transformer_mt.translate import load_translator
+    from transformer_mt.inference import load_translator
 
     torch.set_num_threads(threads)
     t = load_translator(model, device="cpu", engine=engine, beam=SETTINGS["beam"], alpha=SETTINGS["alpha"],
@@ -73,7 +73,7 @@ def child(engine: str, precision: str, model: str, src: str, ref: str, batch: in
 
 
 def decode_engines(checkpoint: Path, src: Path, ref: Path, rounds: int, log: Callable[[str], None], *,
-                   batch: int = 64, threads: int = 2, fairseq: Optional[Callable[[], Optional[dict]]] = None) -> dict:
+                   batch: int = 64, threads: int = 2, fairseq: Callable[[], dict | None] | None = None) -> dict:
     """Every contender (and fairseq-generate, when `fairseq` runs it) `rounds` times, interleaved; medians."""
     from transformer_mt.export import export_ctranslate2
 

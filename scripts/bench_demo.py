@@ -25,7 +25,11 @@ from pathlib import Path
 from benchlib import cpu_bf16, cpu_model, replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
-AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+AVX2_ONLY = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 TARGETS = {"bleu": 90.0, "seconds": 300.0, "complete": 5}
 
 
@@ -36,7 +40,9 @@ def run_demo(avx2: bool) -> tuple[float, str, int]:
         clone = Path(tmp) / "transformer-mt"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
         start = time.perf_counter()
-        proc = subprocess.run(["make", "demo"], cwd=clone, env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            ["make", "demo"], cwd=clone, env=env, capture_output=True, text=True
+        )
         return time.perf_counter() - start, proc.stdout + proc.stderr, proc.returncode
 
 
@@ -46,48 +52,80 @@ def parse_output(text: str) -> dict:
     bleu = re.search(r"^BLEU\|(\S+) = ([\d.]+)", text, re.M)
     trained = re.search(r"trained (\d+) steps in ([\d.]+) min", text)
     precision = re.search(r"precision auto: .*?training in (\S+)", text)
-    return {"bleu": float(bleu.group(2)) if bleu else None,
-            "signature": f"BLEU|{bleu.group(1)}" if bleu else None,
-            "samples": [line[len("  -> "):] for line in text.splitlines() if line.startswith("  -> ")],
-            "updates": int(trained.group(1)) if trained else None,
-            "train_minutes": float(trained.group(2)) if trained else None,
-            "precision_line": precision.group(0) if precision else None}
+    return {
+        "bleu": float(bleu.group(2)) if bleu else None,
+        "signature": f"BLEU|{bleu.group(1)}" if bleu else None,
+        "samples": [
+            line[len("  -> ") :]
+            for line in text.splitlines()
+            if line.startswith("  -> ")
+        ],
+        "updates": int(trained.group(1)) if trained else None,
+        "train_minutes": float(trained.group(2)) if trained else None,
+        "precision_line": precision.group(0) if precision else None,
+    }
 
 
 def judge_samples(samples: list[str], references: list[str]) -> list[dict]:
     """Each sample beside its reference: complete (as many words) and exact."""
-    return [{"output": out, "reference": ref, "complete": len(out.split()) == len(ref.split()), "exact": out == ref}
-            for out, ref in zip(samples, references)]
+    return [
+        {
+            "output": out,
+            "reference": ref,
+            "complete": len(out.split()) == len(ref.split()),
+            "exact": out == ref,
+        }
+        for out, ref in zip(samples, references)
+    ]
 
 
 def verdict(res: dict) -> dict[str, bool]:
     complete = sum(s["complete"] for s in res["samples"])
-    return {f"test BLEU >= {TARGETS['bleu']:g}": res["bleu"] is not None and res["bleu"] >= TARGETS["bleu"],
-            f"make demo <= {TARGETS['seconds'] / 60:g} minutes": res["seconds"] <= TARGETS["seconds"],
-            f"{TARGETS['complete']} of 5 samples complete": complete >= TARGETS["complete"] and len(res["samples"]) == 5}
+    return {
+        f"test BLEU >= {TARGETS['bleu']:g}": res["bleu"] is not None
+        and res["bleu"] >= TARGETS["bleu"],
+        f"make demo <= {TARGETS['seconds'] / 60:g} minutes": res["seconds"]
+        <= TARGETS["seconds"],
+        f"{TARGETS['complete']} of 5 samples complete": complete >= TARGETS["complete"]
+        and len(res["samples"]) == 5,
+    }
 
 
 def cpu_flags() -> list[str]:
     try:
-        flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        flags = next(
+            line.split(":", 1)[1].split()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("flags")
+        )
     except (OSError, StopIteration):
         return []
     return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
 
 
 def write_section(res: dict, path: Path) -> None:
-    rows = "\n".join(f"| {s['output']} | {s['reference']} | {'yes' if s['complete'] else '**no**'} | "
-                     f"{'yes' if s['exact'] else 'no'} |" for s in res["samples"])
-    met = "; ".join(f"{t}: {'met' if ok else '**not met**'}" for t, ok in res["targets_met"].items())
-    kernels = "AVX2 kernels only (" + ", ".join(f"{k}={v}" for k, v in AVX2_ONLY.items()) + ")" if res["avx2"] \
+    rows = "\n".join(
+        f"| {s['output']} | {s['reference']} | {'yes' if s['complete'] else '**no**'} | "
+        f"{'yes' if s['exact'] else 'no'} |"
+        for s in res["samples"]
+    )
+    met = "; ".join(
+        f"{t}: {'met' if ok else '**not met**'}" for t, ok in res["targets_met"].items()
+    )
+    kernels = (
+        "AVX2 kernels only ("
+        + ", ".join(f"{k}={v}" for k, v in AVX2_ONLY.items())
+        + ")"
+        if res["avx2"]
         else "the CPU's own kernels"
+    )
     text = f"""## `make demo` from a fresh clone (`scripts/bench_demo.py`)
 
-{res['date']}, {res['cpu']} (flags: {', '.join(res['cpu_flags'])}; bf16 in hardware: {res['cpu_bf16']}), with
-{kernels}; a new .venv from the pip cache. `make demo` took **{res['seconds']:.0f} s** (exit status
-{res['exit_status']}); training made {res['updates']} updates in {res['train_minutes']} min. {res['precision_line'] or ''}
+{res["date"]}, {res["cpu"]} (flags: {", ".join(res["cpu_flags"])}; bf16 in hardware: {res["cpu_bf16"]}), with
+{kernels}; a new .venv from the pip cache. `make demo` took **{res["seconds"]:.0f} s** (exit status
+{res["exit_status"]}); training made {res["updates"]} updates in {res["train_minutes"]} min. {res["precision_line"] or ""}
 
-Test BLEU **{res['bleu']}** (`{res['signature']}`).
+Test BLEU **{res["bleu"]}** (`{res["signature"]}`).
 
 | sample translation | reference | complete | exact |
 | --- | --- | --- | --- |
@@ -99,20 +137,44 @@ Targets: {met}.
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--avx2", action="store_true", help="AVX2 kernels only: approximate an AVX2-only CPU")
-    parser.add_argument("--json", default=None, help="default: bench_demo.json (bench_demo_avx2.json with --avx2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--avx2",
+        action="store_true",
+        help="AVX2 kernels only: approximate an AVX2-only CPU",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="default: bench_demo.json (bench_demo_avx2.json with --avx2)",
+    )
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = parser.parse_args()
     seconds, text, status = run_demo(args.avx2)
-    references = (ROOT / "configs" / "demo_samples.de").read_text(encoding="utf-8").splitlines()
+    references = (
+        (ROOT / "configs" / "demo_samples.de").read_text(encoding="utf-8").splitlines()
+    )
     parsed = parse_output(text)
-    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cpu_flags": cpu_flags(),
-           "cpu_bf16": cpu_bf16(), "avx2": args.avx2, "seconds": round(seconds, 1), "exit_status": status,
-           **parsed, "samples": judge_samples(parsed["samples"], references)}
+    res = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cpu_bf16": cpu_bf16(),
+        "avx2": args.avx2,
+        "seconds": round(seconds, 1),
+        "exit_status": status,
+        **parsed,
+        "samples": judge_samples(parsed["samples"], references),
+    }
     res["targets_met"] = verdict(res)
-    json_path = Path(args.json or ROOT / f"bench_demo{'_avx2' if args.avx2 else ''}.json")
-    json_path.write_text(json.dumps(res, indent=2, ensure_ascii=False), encoding="utf-8")
+    json_path = Path(
+        args.json or ROOT / f"bench_demo{'_avx2' if args.avx2 else ''}.json"
+    )
+    json_path.write_text(
+        json.dumps(res, indent=2, ensure_ascii=False), encoding="utf-8"
+    )
     write_section(res, Path(args.out))
     if status != 0:
         print(text[-3000:], file=sys.stderr)

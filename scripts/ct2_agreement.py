@@ -36,9 +36,11 @@ def long_inputs(lines: Sequence[str]) -> list[str]:
 def settings(decode_max_len: tuple[float, int]) -> list[dict]:
     """Every (inputs, length budget) pair the report compares, the run's own budget first."""
     own = f"the run's budget {decode_max_len[0]:g} × source + {decode_max_len[1]}"  # no "|": a table cell
-    return [{"inputs": inputs, "max_len": max_len, "name": f"{inputs}, {label}"}
-            for max_len, label in ((decode_max_len, own), ((0.0, 5), "--max-len 0 5"))
-            for inputs in ("test", "long")]
+    return [
+        {"inputs": inputs, "max_len": max_len, "name": f"{inputs}, {label}"}
+        for max_len, label in ((decode_max_len, own), ((0.0, 5), "--max-len 0 5"))
+        for inputs in ("test", "long")
+    ]
 
 
 def classify(ours_score: float, theirs_score: float) -> str:
@@ -48,34 +50,77 @@ def classify(ours_score: float, theirs_score: float) -> str:
     return "ours better" if ours_score > theirs_score else "ctranslate2 better"
 
 
-def agreement(ours: Sequence[Sequence[str]], theirs: Sequence[Sequence[str]]) -> tuple[int, list[int]]:
+def agreement(
+    ours: Sequence[Sequence[str]], theirs: Sequence[Sequence[str]]
+) -> tuple[int, list[int]]:
     """The number of identical outputs (piece for piece) and the indices of the differing ones."""
-    differing = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if list(a) != list(b)]
+    differing = [
+        i
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
+        if list(a) != list(b)
+    ]
     return len(ours) - len(differing), differing
 
 
-def compare(checkpoint: Path, export: Path, sources: list[str], *, beam: int, alpha: float,
-            max_len: tuple[float, int], examples: int = 5) -> dict:
+def compare(
+    checkpoint: Path,
+    export: Path,
+    sources: list[str],
+    *,
+    beam: int,
+    alpha: float,
+    max_len: tuple[float, int],
+    examples: int = 5,
+) -> dict:
     """Decode `sources` with both engines at fp32; the share identical, and the differing lines classified by
     each engine's score of its own output (log P / lp, the same formula, P from the same weights)."""
-    from transformer_mt.translate import load_translator
+    from transformer_mt.inference import load_translator
 
-    opts = {"device": "cpu", "precision": "fp32", "beam": beam, "alpha": alpha, "max_len": max_len}
+    opts = {
+        "device": "cpu",
+        "precision": "fp32",
+        "beam": beam,
+        "alpha": alpha,
+        "max_len": max_len,
+    }
     ours = load_translator(checkpoint, **opts)
     theirs = load_translator(export, engine="ctranslate2", **opts)
     a = [h[0] for h in ours.translate(sources)]
     b = [h[0] for h in theirs.translate(sources, token_scores=False)]
     same, differing = agreement([t.pieces for t in a], [t.pieces for t in b])
     kinds = [classify(a[i].score, b[i].score) for i in differing]
-    return {"sentences": len(sources), "identical": same, "share": same / max(1, len(sources)),
-            "differing": {kind: kinds.count(kind) for kind in ("tie", "ours better", "ctranslate2 better")},
-            "examples": [{"source": sources[i], "ours": a[i].text, "ctranslate2": b[i].text,
-                          "ours_score": round(a[i].score, 4), "ctranslate2_score": round(b[i].score, 4),
-                          "kind": kind} for i, kind in list(zip(differing, kinds))[:examples]]}
+    return {
+        "sentences": len(sources),
+        "identical": same,
+        "share": same / max(1, len(sources)),
+        "differing": {
+            kind: kinds.count(kind)
+            for kind in ("tie", "ours better", "ctranslate2 better")
+        },
+        "examples": [
+            {
+                "source": sources[i],
+                "ours": a[i].text,
+                "ctranslate2": b[i].text,
+                "ours_score": round(a[i].score, 4),
+                "ctranslate2_score": round(b[i].score, 4),
+                "kind": kind,
+            }
+            for i, kind in list(zip(differing, kinds))[:examples]
+        ],
+    }
 
 
-def run(checkpoint: Path, src: Path, *, limit: int | None, threads: int, beam: int | None,
-        alpha: float | None, log=print) -> dict:
+def run(
+    checkpoint: Path,
+    src: Path,
+    *,
+    limit: int | None,
+    threads: int,
+    beam: int | None,
+    alpha: float | None,
+    log=print,
+) -> dict:
     """Every setting of `settings` on `checkpoint` (a float32 export in a temporary directory)."""
     import torch
 
@@ -89,66 +134,124 @@ def run(checkpoint: Path, src: Path, *, limit: int | None, threads: int, beam: i
     beam, alpha = beam or cfg.decode.beam, cfg.decode.alpha if alpha is None else alpha
     lines = read_lines(src)[:limit]
     inputs = {"test": lines, "long": long_inputs(lines)}
-    shown = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
-    res = {"checkpoint": str(shown), "step": ckpt.get("step"), "source": str(src), "beam": beam, "alpha": alpha,
-           "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "settings": []}
+    shown = (
+        path.resolve().relative_to(ROOT)
+        if path.resolve().is_relative_to(ROOT)
+        else path
+    )
+    res = {
+        "checkpoint": str(shown),
+        "step": ckpt.get("step"),
+        "source": str(src),
+        "beam": beam,
+        "alpha": alpha,
+        "threads": threads,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu_model(),
+        "settings": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         export = export_ctranslate2(path, Path(tmp) / "ct2", "float32")
         for s in settings((cfg.decode.max_len_a, cfg.decode.max_len_b)):
             log(f"[ct2_agreement] {s['name']}: {len(inputs[s['inputs']])} sources")
-            r = compare(path, export, inputs[s["inputs"]], beam=beam, alpha=alpha, max_len=s["max_len"])
+            r = compare(
+                path,
+                export,
+                inputs[s["inputs"]],
+                beam=beam,
+                alpha=alpha,
+                max_len=s["max_len"],
+            )
             res["settings"].append({**s, **r})
-            log(f"[ct2_agreement] {s['name']}: {r['share']:.2%} identical, differing {r['differing']}")
+            log(
+                f"[ct2_agreement] {s['name']}: {r['share']:.2%} identical, differing {r['differing']}"
+            )
     return res
 
 
 def report(res: dict) -> str:
     """The BENCHMARKS.md section, from the JSON alone."""
-    lines = ["## CTranslate2 against our engine, output for output", "",
-             (f"Written by `python scripts/ct2_agreement.py` on {res['date']} ({res['cpu']}): "
-              f"`{res['checkpoint']}` (step {res.get('step')}) decoded by both engines at fp32, beam {res['beam']}, "
-              f"α {res['alpha']:g}, on "
-              f"`{Path(res['source']).name}` and on long inputs (its sentences joined in pairs); identical means "
-              "piece for piece. Each engine scores its own output as our search ranks (log P / GNMT penalty): a "
-              f"tie (within {TIE:g}) is float rounding between the engines; otherwise the engine with the better "
-              "score found a translation the other's search did not keep. How the CTranslate2 engine follows "
-              "our search (per-sentence budgets, our last step at the budget, no renormalisation over PAD and "
-              "BOS) and what can still differ: `transformer_mt/ct2.py`."), "",
-             "| setting | sentences | identical | share | ties | ours better | CTranslate2 better |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "## CTranslate2 against our engine, output for output",
+        "",
+        (
+            f"Written by `python scripts/ct2_agreement.py` on {res['date']} ({res['cpu']}): "
+            f"`{res['checkpoint']}` (step {res.get('step')}) decoded by both engines at fp32, beam {res['beam']}, "
+            f"α {res['alpha']:g}, on "
+            f"`{Path(res['source']).name}` and on long inputs (its sentences joined in pairs); identical means "
+            "piece for piece. Each engine scores its own output as our search ranks (log P / GNMT penalty): a "
+            f"tie (within {TIE:g}) is float rounding between the engines; otherwise the engine with the better "
+            "score found a translation the other's search did not keep. How the CTranslate2 engine follows "
+            "our search (per-sentence budgets, our last step at the budget, no renormalisation over PAD and "
+            "BOS) and what can still differ: `transformer_mt/ct2.py`."
+        ),
+        "",
+        "| setting | sentences | identical | share | ties | ours better | CTranslate2 better |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for s in res["settings"]:
         d = s["differing"]
-        lines.append(f"| {s['name']} | {s['sentences']:,} | {s['identical']:,} | {s['share']:.2%} | {d['tie']} | "
-                     f"{d['ours better']} | {d['ctranslate2 better']} |")
+        lines.append(
+            f"| {s['name']} | {s['sentences']:,} | {s['identical']:,} | {s['share']:.2%} | {d['tie']} | "
+            f"{d['ours better']} | {d['ctranslate2 better']} |"
+        )
     examples = [(s["name"], e) for s in res["settings"] for e in s["examples"][:2]]
     if not examples:
         lines += ["", "No line differs in any setting."]
     else:
         lines += ["", "Differing examples (log P / lp by each engine):", ""]
         for name, e in examples:
-            lines += [f"- *{name}*, {e['kind']}: `{e['source']}`", f"  - ours ({e['ours_score']}): `{e['ours']}`",
-                      f"  - CTranslate2 ({e['ctranslate2_score']}): `{e['ctranslate2']}`"]
+            lines += [
+                f"- *{name}*, {e['kind']}: `{e['source']}`",
+                f"  - ours ({e['ours_score']}): `{e['ours']}`",
+                f"  - CTranslate2 ({e['ctranslate2_score']}): `{e['ctranslate2']}`",
+            ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=str(ROOT / "runs" / "multi30k_en_de"), help="checkpoint or run directory")
-    ap.add_argument("--src", default=str(TEST), help="source sentences, one a line (.gz read as gzip)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--checkpoint",
+        default=str(ROOT / "runs" / "multi30k_en_de"),
+        help="checkpoint or run directory",
+    )
+    ap.add_argument(
+        "--src",
+        default=str(TEST),
+        help="source sentences, one a line (.gz read as gzip)",
+    )
     ap.add_argument("--limit", type=int, help="only the first N sources (a smoke run)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each engine")
     ap.add_argument("--beam", type=int, help="beam size (default: the run's)")
-    ap.add_argument("--alpha", type=float, help="GNMT length penalty (default: the run's)")
+    ap.add_argument(
+        "--alpha", type=float, help="GNMT length penalty (default: the run's)"
+    )
     ap.add_argument("--json", default=str(ROOT / "bench_ct2_agreement.json"))
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-    ap.add_argument("--report-only", action="store_true", help="rewrite the BENCHMARKS.md section from --json")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite the BENCHMARKS.md section from --json",
+    )
     args = ap.parse_args()
     if args.report_only:
         res = json.loads(Path(args.json).read_text(encoding="utf-8"))
     else:
-        res = run(Path(args.checkpoint), Path(args.src), limit=args.limit, threads=args.threads, beam=args.beam,
-                  alpha=args.alpha, log=lambda m: print(m, file=sys.stderr, flush=True))
-        Path(args.json).write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        res = run(
+            Path(args.checkpoint),
+            Path(args.src),
+            limit=args.limit,
+            threads=args.threads,
+            beam=args.beam,
+            alpha=args.alpha,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
+        Path(args.json).write_text(
+            json.dumps(res, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
     replace_section(Path(args.out), "ct2-agreement", report(res))
     return 0
 

@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from benchlib import cpu_model, replace_section
 from transformer_mt.checkpoint import resolve_checkpoint, run_dir_of
@@ -56,11 +56,12 @@ class Tally:
     """What the clients saw: responses by client and status, and the latencies of one-sentence requests."""
 
     statuses: dict[str, collections.Counter] = field(
-        default_factory=lambda: collections.defaultdict(collections.Counter))
+        default_factory=lambda: collections.defaultdict(collections.Counter)
+    )
     one_sentence: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, client: str, status: Any, seconds: Optional[float] = None) -> None:
+    def add(self, client: str, status: Any, seconds: float | None = None) -> None:
         with self.lock:
             self.statuses[client][str(status)] += 1
             if seconds is not None:
@@ -75,13 +76,31 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"soak_serve_{self.port}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "transformer_mt", "serve", "-c", str(checkpoint),
-                                      "--host", "127.0.0.1", "--port", str(self.port)], cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = open(
+            Path(os.environ.get("TMPDIR", "/tmp")) / f"soak_serve_{self.port}.log", "w"
+        )
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "transformer_mt",
+                "serve",
+                "-c",
+                str(checkpoint),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         for _ in range(600):
             if self.proc.poll() is not None:
-                sys.exit(f"soak_serve: tmt serve exited with {self.proc.returncode}: see {self.log.name}")
+                sys.exit(
+                    f"soak_serve: tmt serve exited with {self.proc.returncode}: see {self.log.name}"
+                )
             try:
                 if self.health()[0] == 200:
                     return
@@ -117,7 +136,9 @@ class Server:
 
 def post(url: str, body: bytes | dict, timeout: float) -> int:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             r.read()
@@ -127,17 +148,27 @@ def post(url: str, body: bytes | dict, timeout: float) -> int:
         return e.code
 
 
-def raw_request(port: int, body: bytes, *, send: int, pause: float = 0.0, pieces: int = 1,
-                read: bool = True, timeout: float = 120) -> Any:
+def raw_request(
+    port: int,
+    body: bytes,
+    *,
+    send: int,
+    pause: float = 0.0,
+    pieces: int = 1,
+    read: bool = True,
+    timeout: float = 120,
+) -> Any:
     """POST /translate over a plain socket: the first `send` bytes of the body in `pieces` (a pause after each),
     then the status line's code if `read`, else nothing (the client leaves)."""
-    head = (f"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(head)
         step = max(1, -(-send // pieces))
         for at in range(0, send, step):
-            s.sendall(body[at:at + step])
+            s.sendall(body[at : at + step])
             time.sleep(pause)
         if not read:
             return "left"
@@ -152,13 +183,20 @@ def sentences(run: Path) -> list[str]:
     if MULTI30K.is_file():
         return [s for s in read_lines(MULTI30K) if s.strip()]
     cfg = load_config(run / "config.yaml")
-    return [s for s in read_lines(Path(f"{cfg.data.test}.{cfg.data.src_lang}")) if s.strip()]
+    return [
+        s for s in read_lines(Path(f"{cfg.data.test}.{cfg.data.src_lang}")) if s.strip()
+    ]
 
 
-def most_expensive(pool: list[str], price: Callable[[list[str], dict], tuple[list[int], list[int]]],
-                   options: dict, limits: dict) -> dict:
+def most_expensive(
+    pool: list[str],
+    price: Callable[[list[str], dict], tuple[list[int], list[int]]],
+    options: dict,
+    limits: dict,
+) -> dict:
     """A request of these options as close to the limits as the pool allows: lines as long as one call may be
     (batch_work), as many as the request may hold (max_lines, max_work)."""
+
     def alone(line: str) -> int:
         work, steps = price([line], options)
         return call_work(work[0], steps[0])
@@ -167,14 +205,19 @@ def most_expensive(pool: list[str], price: Callable[[list[str], dict], tuple[lis
     ordered = sorted(pool, key=len, reverse=True)
     for i in range(len(ordered)):
         line = ordered[i]
-        for extra in ordered[i + 1:i + 40]:  # lengthen it while one call still holds it
+        for extra in ordered[
+            i + 1 : i + 40
+        ]:  # lengthen it while one call still holds it
             if alone(f"{line} {extra}") > limits["batch_work"]:
                 break
             line = f"{line} {extra}"
         if alone(line) > limits["batch_work"]:
             continue
         work, steps = price(lines + [line], options)
-        if len(lines) == limits["max_lines"] or call_work(sum(work), max(steps)) > limits["max_work"]:
+        if (
+            len(lines) == limits["max_lines"]
+            or call_work(sum(work), max(steps)) > limits["max_work"]
+        ):
             break
         lines.append(line)
     return {"text": lines, **options}
@@ -183,10 +226,20 @@ def most_expensive(pool: list[str], price: Callable[[list[str], dict], tuple[lis
 def malformed(limits: dict, over_work: dict) -> list[bytes]:
     """Bodies every one of which must be a 400 or a 413."""
     deep = b'{"text": ["a"], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    return [b"{not json", b"[1, 2]", b'{"text": ["a"], "alpha": NaN}', b'{"text": ["a"], "beam": Infinity}',
-            b'{"text": ["a"], "beam": 1' + b"0" * 5000 + b"}", deep,
-            b'{"text": ["a"], "beams": 5}', b'{"text": ["\\ud800"]}', b'{"text": ["\xff"]}', b'{"text": 3}',
-            json.dumps({"text": ["a"] * (limits["max_lines"] + 1)}).encode(), json.dumps(over_work).encode()]
+    return [
+        b"{not json",
+        b"[1, 2]",
+        b'{"text": ["a"], "alpha": NaN}',
+        b'{"text": ["a"], "beam": Infinity}',
+        b'{"text": ["a"], "beam": 1' + b"0" * 5000 + b"}",
+        deep,
+        b'{"text": ["a"], "beams": 5}',
+        b'{"text": ["\\ud800"]}',
+        b'{"text": ["\xff"]}',
+        b'{"text": 3}',
+        json.dumps({"text": ["a"] * (limits["max_lines"] + 1)}).encode(),
+        json.dumps(over_work).encode(),
+    ]
 
 
 # --------------------------------------------------------------------------- the clients
@@ -206,7 +259,13 @@ class Soak:
     def timeout(self) -> float:
         return self.info["limits"]["deadline"] + 60
 
-    def loop(self, name: str, send: Callable[[random.Random], Any], seed: int, pause: float = 0.0) -> None:
+    def loop(
+        self,
+        name: str,
+        send: Callable[[random.Random], Any],
+        seed: int,
+        pause: float = 0.0,
+    ) -> None:
         rng = random.Random(seed)
         for _ in range(MAX_REQUESTS):
             if time.monotonic() >= self.end:
@@ -219,18 +278,40 @@ class Soak:
 
     def one_sentence(self, rng: random.Random) -> None:
         start = time.perf_counter()
-        status = post(self.server.url + "/translate", {"text": [rng.choice(self.pool)]}, self.timeout)
-        self.tally.add("one sentence", status, time.perf_counter() - start if status == 200 else None)
+        status = post(
+            self.server.url + "/translate",
+            {"text": [rng.choice(self.pool)]},
+            self.timeout,
+        )
+        self.tally.add(
+            "one sentence",
+            status,
+            time.perf_counter() - start if status == 200 else None,
+        )
 
     def long(self, rng: random.Random) -> None:
         n = rng.randint(16, self.info["limits"]["max_lines"])
-        self.tally.add("long", post(self.server.url + "/translate", {"text": rng.sample(self.pool, n)}, self.timeout))
+        self.tally.add(
+            "long",
+            post(
+                self.server.url + "/translate",
+                {"text": rng.sample(self.pool, n)},
+                self.timeout,
+            ),
+        )
 
     def nbest(self, rng: random.Random) -> None:
         beam = self.info["decode"]["beam"]
-        body = {"text": rng.sample(self.pool, rng.randint(1, 4)), "beam": beam, "nbest": min(3, beam),
-                "attention": rng.random() < 0.5, "alignment": rng.random() < 0.5}
-        self.tally.add("n-best", post(self.server.url + "/translate", body, self.timeout))
+        body = {
+            "text": rng.sample(self.pool, rng.randint(1, 4)),
+            "beam": beam,
+            "nbest": min(3, beam),
+            "attention": rng.random() < 0.5,
+            "alignment": rng.random() < 0.5,
+        }
+        self.tally.add(
+            "n-best", post(self.server.url + "/translate", body, self.timeout)
+        )
 
     def score(self, rng: random.Random) -> None:
         pairs = rng.sample(self.pool, rng.randint(1, 8))
@@ -238,27 +319,59 @@ class Soak:
         self.tally.add("score", post(self.server.url + "/score", body, self.timeout))
 
     def bad(self, rng: random.Random) -> None:
-        bodies = malformed(self.info["limits"], {**self.expensive[0], "beam": 2 * self.expensive[0]["beam"]})
-        if rng.random() < 0.1:  # a body over max_body: its length is refused before it is sent (a sender that
-            big = b"{" + b" " * self.info["limits"]["max_body"] + b"}"  # went on would meet a closed socket)
-            self.tally.add("malformed", raw_request(self.server.port, big, send=0, timeout=self.timeout))
+        bodies = malformed(
+            self.info["limits"],
+            {**self.expensive[0], "beam": 2 * self.expensive[0]["beam"]},
+        )
+        if (
+            rng.random() < 0.1
+        ):  # a body over max_body: its length is refused before it is sent (a sender that
+            big = (
+                b"{" + b" " * self.info["limits"]["max_body"] + b"}"
+            )  # went on would meet a closed socket)
+            self.tally.add(
+                "malformed",
+                raw_request(self.server.port, big, send=0, timeout=self.timeout),
+            )
         else:
-            self.tally.add("malformed", post(self.server.url + "/translate", rng.choice(bodies), self.timeout))
+            self.tally.add(
+                "malformed",
+                post(self.server.url + "/translate", rng.choice(bodies), self.timeout),
+            )
 
     def leaving(self, rng: random.Random) -> None:
         body = json.dumps({"text": rng.sample(self.pool, 8)}).encode()
         half = rng.random() < 0.5  # leave mid-body, or once the whole request is in
-        self.tally.add("leaves", raw_request(self.server.port, body, send=len(body) // 2 if half else len(body),
-                                             pause=rng.uniform(0, 0.3), read=False))
+        self.tally.add(
+            "leaves",
+            raw_request(
+                self.server.port,
+                body,
+                send=len(body) // 2 if half else len(body),
+                pause=rng.uniform(0, 0.3),
+                read=False,
+            ),
+        )
 
     def slow(self, rng: random.Random) -> None:
         body = json.dumps({"text": rng.sample(self.pool, 2)}).encode()
-        self.tally.add("slow body", raw_request(self.server.port, body, send=len(body), pieces=10, pause=0.2,
-                                                timeout=self.timeout))
+        self.tally.add(
+            "slow body",
+            raw_request(
+                self.server.port,
+                body,
+                send=len(body),
+                pieces=10,
+                pause=0.2,
+                timeout=self.timeout,
+            ),
+        )
 
     def most_expensive(self, rng: random.Random) -> None:
         body = self.expensive[rng.randrange(len(self.expensive))]
-        self.tally.add("most expensive", post(self.server.url + "/translate", body, self.timeout))
+        self.tally.add(
+            "most expensive", post(self.server.url + "/translate", body, self.timeout)
+        )
 
     def watch(self) -> None:
         """/health every second: a 503 (or no answer) is the worker (or the server) down."""
@@ -272,23 +385,33 @@ class Soak:
 
     def clients(self) -> list[tuple[str, Callable, float]]:
         return [("one sentence", self.one_sentence, 0.2)] * 3 + [
-            ("long", self.long, 0.5), ("n-best", self.nbest, 0.5), ("score", self.score, 0.5),
-            ("malformed", self.bad, 0.2), ("leaves", self.leaving, 0.5), ("slow body", self.slow, 0.0),
-            ("most expensive", self.most_expensive, 0.0)]
+            ("long", self.long, 0.5),
+            ("n-best", self.nbest, 0.5),
+            ("score", self.score, 0.5),
+            ("malformed", self.bad, 0.2),
+            ("leaves", self.leaving, 0.5),
+            ("slow body", self.slow, 0.0),
+            ("most expensive", self.most_expensive, 0.0),
+        ]
 
     def warm_up(self) -> None:
         """Every kind of request once, every expensive shape included: the memory baseline comes after."""
         for name, send, _ in self.clients()[2:]:
             send(random.Random(0))
         for i in range(1, len(self.expensive)):
-            self.tally.add("most expensive", post(self.server.url + "/translate", self.expensive[i], self.timeout))
+            self.tally.add(
+                "most expensive",
+                post(self.server.url + "/translate", self.expensive[i], self.timeout),
+            )
         self.tally = Tally()
 
     def run(self, minutes: float) -> None:
         self.end = time.monotonic() + 60 * minutes
         with concurrent.futures.ThreadPoolExecutor(len(self.clients()) + 1) as pool:
-            jobs = [pool.submit(self.loop, name, send, seed, pause)
-                    for seed, (name, send, pause) in enumerate(self.clients())] + [pool.submit(self.watch)]
+            jobs = [
+                pool.submit(self.loop, name, send, seed, pause)
+                for seed, (name, send, pause) in enumerate(self.clients())
+            ] + [pool.submit(self.watch)]
             for job in jobs:
                 job.result()
 
@@ -296,7 +419,7 @@ class Soak:
 # --------------------------------------------------------------------------- figures and report
 
 
-def percentile(values: list[float], q: float) -> Optional[float]:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -309,25 +432,43 @@ def verdict(result: dict) -> dict[str, bool]:
     for by_status in result["responses"].values():
         statuses.update(by_status)
     p95 = result["one_sentence"]["p95_s"]
-    return {"no 500": statuses.get("500", 0) == 0,
-            "no worker death": result["worker"]["deaths"] == 0 and result["worker"]["server_exited"] is False,
-            f"RSS growth <= {TARGETS['rss_growth']:.0%}": (result["rss_mb"]["growth"] is not None
-                                                          and result["rss_mb"]["growth"] <= TARGETS["rss_growth"]),
-            f"p95 of one-sentence requests <= {TARGETS['p95_s']:g} s": p95 is not None and p95 <= TARGETS["p95_s"]}
+    return {
+        "no 500": statuses.get("500", 0) == 0,
+        "no worker death": result["worker"]["deaths"] == 0
+        and result["worker"]["server_exited"] is False,
+        f"RSS growth <= {TARGETS['rss_growth']:.0%}": (
+            result["rss_mb"]["growth"] is not None
+            and result["rss_mb"]["growth"] <= TARGETS["rss_growth"]
+        ),
+        f"p95 of one-sentence requests <= {TARGETS['p95_s']:g} s": p95 is not None
+        and p95 <= TARGETS["p95_s"],
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(ROOT / "runs" / "multi30k_en_de"),
-                        help="run directory or checkpoint (default: runs/multi30k_en_de, the recipe model)")
-    parser.add_argument("--minutes", type=float, default=5.0, help="length of the mixed traffic (default: 5)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default=str(ROOT / "runs" / "multi30k_en_de"),
+        help="run directory or checkpoint (default: runs/multi30k_en_de, the recipe model)",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=5.0,
+        help="length of the mixed traffic (default: 5)",
+    )
     parser.add_argument("--json", default=str(ROOT / "bench_soak.json"))
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = parser.parse_args()
     try:
         checkpoint = resolve_checkpoint(args.checkpoint)
     except UserError as e:
-        sys.exit(f"soak_serve: {e} (the recipe model comes from `make bench-quality`; or pass --checkpoint)")
+        sys.exit(
+            f"soak_serve: {e} (the recipe model comes from `make bench-quality`; or pass --checkpoint)"
+        )
     run = run_dir_of(checkpoint)
     pool = sentences(run)
     server = Server(checkpoint)
@@ -336,7 +477,9 @@ def main() -> int:
     finally:
         if server.proc.poll() is None:
             server.stop()
-    result["model"] = str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else run.name
+    result["model"] = (
+        str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else run.name
+    )
     result["targets_met"] = verdict(result)
     Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
     write_section(result, Path(args.out))
@@ -350,48 +493,94 @@ def soak(server: Server, run: Path, pool: list[str], minutes: float) -> dict:
     info = server.get("/info")[1]
     limits = info["limits"]
     decode = info["decode"]
-    priced = SimpleNamespace(tokenizer=Tokenizer.load(run), max_positions=info["model"]["max_positions"])
-    base = {"nbest": 1, "alpha": decode["alpha"], "max_len": (decode["max_len_a"], decode["max_len_b"]),
-            "attention": False, "alignment": False}
+    priced = SimpleNamespace(
+        tokenizer=Tokenizer.load(run), max_positions=info["model"]["max_positions"]
+    )
+    base = {
+        "nbest": 1,
+        "alpha": decode["alpha"],
+        "max_len": (decode["max_len_a"], decode["max_len_b"]),
+        "attention": False,
+        "alignment": False,
+    }
 
     def price(lines: list[str], options: dict) -> tuple[list[int], list[int]]:
         return translate_work(priced, lines, {**base, **options})
 
-    shapes = [{"beam": decode["beam"]}, {"beam": max(64, decode["beam"])},
-              {"beam": 16, "nbest": 16, "attention": True, "alignment": True}]
+    shapes = [
+        {"beam": decode["beam"]},
+        {"beam": max(64, decode["beam"])},
+        {"beam": 16, "nbest": 16, "attention": True, "alignment": True},
+    ]
     expensive = [most_expensive(pool, price, shape, limits) for shape in shapes]
     expensive = [e for e in expensive if e["text"]]
     state = Soak(server, pool, info, expensive)
     start = time.monotonic()
     state.warm_up()
     rss_start = server.rss_mb()
-    print(f"[soak_serve] {server.url}: warm, {rss_start:.0f} MB; {minutes:g} min of traffic", flush=True)
+    print(
+        f"[soak_serve] {server.url}: warm, {rss_start:.0f} MB; {minutes:g} min of traffic",
+        flush=True,
+    )
     state.run(minutes)
     rss_end = server.rss_mb() if server.proc.poll() is None else None
     exited = server.proc.poll() is not None
     stats = server.health()[1] if not exited else {}
     one = state.tally.one_sentence
-    return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cores": os.cpu_count(),
-            "cpu_flags": [f for f in CPU_FLAGS if f in _flags()], "minutes": minutes,
-            "seconds": round(time.monotonic() - start, 1), "limits": limits, "decode": decode,
-            "expensive_requests": [{"lines": len(e["text"]), **{k: v for k, v in e.items() if k != "text"},
-                                    "steps": call_work(sum(work), max(steps))}
-                                   for e in expensive for work, steps in [price(e["text"], e)]],
-            "responses": {k: dict(v) for k, v in sorted(state.tally.statuses.items())},
-            "one_sentence": {"requests": len(one), "p50_s": percentile(one, 0.5), "p95_s": percentile(one, 0.95),
-                             "max_s": max(one, default=None)},
-            "worker": {"health_polls": dict(state.health), "deaths": sum(n for k, n in state.health.items()
-                                                                         if not k.startswith("200")),
-                       "errors_survived": stats.get("worker_errors"), "server_exited": exited},
-            "server_stats": stats,
-            "rss_mb": {"start": round(rss_start, 1), "end": rss_end and round(rss_end, 1),
-                       "growth": (rss_end - rss_start) / rss_start if rss_end else None}}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "cpu_flags": [f for f in CPU_FLAGS if f in _flags()],
+        "minutes": minutes,
+        "seconds": round(time.monotonic() - start, 1),
+        "limits": limits,
+        "decode": decode,
+        "expensive_requests": [
+            {
+                "lines": len(e["text"]),
+                **{k: v for k, v in e.items() if k != "text"},
+                "steps": call_work(sum(work), max(steps)),
+            }
+            for e in expensive
+            for work, steps in [price(e["text"], e)]
+        ],
+        "responses": {k: dict(v) for k, v in sorted(state.tally.statuses.items())},
+        "one_sentence": {
+            "requests": len(one),
+            "p50_s": percentile(one, 0.5),
+            "p95_s": percentile(one, 0.95),
+            "max_s": max(one, default=None),
+        },
+        "worker": {
+            "health_polls": dict(state.health),
+            "deaths": sum(
+                n for k, n in state.health.items() if not k.startswith("200")
+            ),
+            "errors_survived": stats.get("worker_errors"),
+            "server_exited": exited,
+        },
+        "server_stats": stats,
+        "rss_mb": {
+            "start": round(rss_start, 1),
+            "end": rss_end and round(rss_end, 1),
+            "growth": (rss_end - rss_start) / rss_start if rss_end else None,
+        },
+    }
 
 
 def _flags() -> set[str]:
     try:
-        return set(next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")),
-                        []))
+        return set(
+            next(
+                (
+                    line.split(":", 1)[1].split()
+                    for line in open("/proc/cpuinfo")
+                    if line.startswith("flags")
+                ),
+                [],
+            )
+        )
     except OSError:
         return set()
 
@@ -399,30 +588,38 @@ def _flags() -> set[str]:
 def write_section(res: dict, path: Path) -> None:
     rows = []
     for client, by_status in res["responses"].items():
-        rows.append(f"| {client} | {sum(by_status.values())} | "
-                    + ", ".join(f"{s}: {n}" for s, n in sorted(by_status.items())) + " |")
+        rows.append(
+            f"| {client} | {sum(by_status.values())} | "
+            + ", ".join(f"{s}: {n}" for s, n in sorted(by_status.items()))
+            + " |"
+        )
     one, rss, worker = res["one_sentence"], res["rss_mb"], res["worker"]
     ms = lambda s: "–" if s is None else f"{1000 * s:.0f}"  # noqa: E731
-    shapes = "; ".join(f"{e['lines']} lines at beam {e['beam']}" + (f", {e['nbest']}-best with attention"
-                                                                      if e.get("attention") else "")
-                       + f" ({e['steps']:,} steps)" for e in res["expensive_requests"])
-    met = "; ".join(f"{t}: {'met' if ok else '**not met**'}" for t, ok in res["targets_met"].items())
+    shapes = "; ".join(
+        f"{e['lines']} lines at beam {e['beam']}"
+        + (f", {e['nbest']}-best with attention" if e.get("attention") else "")
+        + f" ({e['steps']:,} steps)"
+        for e in res["expensive_requests"]
+    )
+    met = "; ".join(
+        f"{t}: {'met' if ok else '**not met**'}" for t, ok in res["targets_met"].items()
+    )
     limits = res["limits"]
     text = f"""## Serving under load (`tmt serve`, `scripts/soak_serve.py`)
 
-{res['date']}, {res['cpu']} ({', '.join(res['cpu_flags']) or 'no AVX2'}), {res['cores']} cores; model `{res['model']}`;
-{res['minutes']:g} minutes of mixed traffic on the loopback after a warm-up, with the server's default limits
-({limits['max_work']:,} steps a request, {limits['batch_work']:,} a model call, {limits['max_lines']} lines,
-{limits['deadline']:g} s deadline). The most expensive client cycled through {shapes}.
+{res["date"]}, {res["cpu"]} ({", ".join(res["cpu_flags"]) or "no AVX2"}), {res["cores"]} cores; model `{res["model"]}`;
+{res["minutes"]:g} minutes of mixed traffic on the loopback after a warm-up, with the server's default limits
+({limits["max_work"]:,} steps a request, {limits["batch_work"]:,} a model call, {limits["max_lines"]} lines,
+{limits["deadline"]:g} s deadline). The most expensive client cycled through {shapes}.
 
 | client | requests | responses by status |
 | --- | ---: | --- |
 {chr(10).join(rows)}
 
-One-sentence requests: {one['requests']} answered, p50 {ms(one['p50_s'])} ms, p95 {ms(one['p95_s'])} ms,
-max {ms(one['max_s'])} ms. Worker: {worker['deaths']} health checks not OK of {sum(worker['health_polls'].values())},
-{worker['errors_survived']} errors survived. Server memory (VmRSS): {rss['start']} MB after the warm-up,
-{rss['end']} MB at the end ({'–' if rss['growth'] is None else f"{100 * rss['growth']:+.1f}%"}).
+One-sentence requests: {one["requests"]} answered, p50 {ms(one["p50_s"])} ms, p95 {ms(one["p95_s"])} ms,
+max {ms(one["max_s"])} ms. Worker: {worker["deaths"]} health checks not OK of {sum(worker["health_polls"].values())},
+{worker["errors_survived"]} errors survived. Server memory (VmRSS): {rss["start"]} MB after the warm-up,
+{rss["end"]} MB at the end ({"–" if rss["growth"] is None else f"{100 * rss['growth']:+.1f}%"}).
 
 Targets: {met}.
 """

@@ -171,7 +171,7 @@ def test_translate_without_checkpoint_uses_newest_run_in_cwd(trained, tmp_path, 
     (new / "checkpoints").mkdir(parents=True)
     shutil.copy(trained["run_dir"] / "spm.model", new)
     shutil.copy(trained["run_dir"] / "checkpoints" / "last.pt", new / "checkpoints" / "last.pt")
-    f = write_lines(tmp_path / "in.txt", ["alpha beta", "gamma"])
+    write_lines(tmp_path / "in.txt", ["alpha beta", "gamma"])
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     rc = main(["translate", "--input", "in.txt", "--output", "out.txt", "--beam", "1"])
@@ -480,7 +480,7 @@ def test_max_len_longer_than_max_positions_is_a_config_error(trained, tmp_path, 
 
 
 def test_load_translator_keeps_one_output_per_input_even_for_none(trained):
-    from transformer_mt.translate import load_translator
+    from transformer_mt.inference import load_translator
 
     translator = load_translator(trained["run_dir"], device="cpu", beam=1)
     assert translator.translate_text([]) == [] and translator.translate([]) == []
@@ -724,24 +724,24 @@ def test_decoding_defaults_to_the_precision_the_run_trained_in(trained, tmp_path
     real = translate.inference_model
     monkeypatch.setattr(translate, "inference_model", lambda model, p, device: asked.append(p) or real(model, p, device))
     ckpts = _run_with_precision(trained, tmp_path / "out", "bf16-output")
-    translate.load_translator(ckpts / "last.pt", device="cpu")
-    translate.load_translator(ckpts / "averaged.pt", device="cpu")  # weights only: the run's last.pt says
+    translate.load_torch_translator(ckpts / "last.pt", device="cpu")
+    translate.load_torch_translator(ckpts / "averaged.pt", device="cpu")  # weights only: the run's last.pt says
     assert asked == ["bf16-output", "bf16-output"]  # decoded as validation decoded (runtime.inference_model)
 
     ckpts = _run_with_precision(trained, tmp_path / "bf16", "bf16")
     monkeypatch.setattr(translate, "cpu_has_native_bf16", lambda: True)  # the verdict must not hang on this CPU
     for name in ("last.pt", "averaged.pt"):
-        tr = translate.load_translator(ckpts / name, device="cpu")
+        tr = translate.load_torch_translator(ckpts / name, device="cpu")
         assert tr.precision == "bf16" and {p.dtype for p in tr.model.parameters()} == {torch.bfloat16}
-        assert translate.load_translator(ckpts / name, device="cpu", precision="fp32").precision == "fp32"
+        assert translate.load_torch_translator(ckpts / name, device="cpu", precision="fp32").precision == "fp32"
     # where bf16 is emulated (an AVX2-only CPU: 10-20x slower), the default falls back to fp32; asked for, bf16 stays
     monkeypatch.setattr(translate, "cpu_has_native_bf16", lambda: False)
-    assert translate.load_translator(ckpts / "last.pt", device="cpu").precision == "fp32"
-    assert translate.load_translator(ckpts / "last.pt", device="cpu", precision="bf16").precision == "bf16"
+    assert translate.load_torch_translator(ckpts / "last.pt", device="cpu").precision == "fp32"
+    assert translate.load_torch_translator(ckpts / "last.pt", device="cpu", precision="bf16").precision == "bf16"
     alone = tmp_path / "alone"  # a weights-only checkpoint away from its run: the config's auto, resolved here
     alone.mkdir()
     shutil.copy(ckpts / "averaged.pt", alone)
-    assert translate.load_translator(alone / "averaged.pt", device="cpu").precision == "fp32"
+    assert translate.load_torch_translator(alone / "averaged.pt", device="cpu").precision == "fp32"
 
 
 def test_invalid_utf8_on_stdin_is_replaced_with_one_warning(trained):

@@ -17,7 +17,7 @@ from transformer_mt.config import load_config
 from transformer_mt.data import read_split
 from transformer_mt.errors import UserError
 from transformer_mt.export import ExportError, cached_export, export_ctranslate2, is_export
-from transformer_mt.translate import load_translator
+from transformer_mt.inference import load_translator
 
 pytest.importorskip("ctranslate2")
 pytestmark = pytest.mark.slow

@@ -101,7 +101,7 @@ def test_sigkill_then_resume_gives_bit_identical_weights(tmp_path):
     resumed = tmt("train", str(cfg_b), "--resume")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-2000:]
-    assert f"resumed from" in err and f"step {resumed_from}" in err
+    assert "resumed from" in err and f"step {resumed_from}" in err
 
     a, b = weights(tmp_path / "a" / "checkpoints" / "last.pt"), weights(tmp_path / "b" / "checkpoints" / "last.pt")
     assert a.keys() == b.keys()

@@ -56,7 +56,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def translator(run_dir):
-    from transformer_mt.translate import load_translator
+    from transformer_mt.inference import load_translator
 
     return load_translator(run_dir, device="cpu")
 

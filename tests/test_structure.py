@@ -65,3 +65,9 @@ def test_only_cli_imports_the_server_and_the_plots():
     """serve.py and plot.py are thin layers over translate.py, each behind an optional extra."""
     users = {p.stem for p in PACKAGE.glob("*.py") if _package_imports(p.stem) & {"serve", "plot"}}
     assert users <= {"cli"}
+
+
+def test_the_engines_do_not_import_each_other():
+    """STYLE.md: translate.py (ours) sits below ct2.py (CTranslate2's, which uses its types); inference.py picks
+    between them. translate.py importing ct2, even lazily, made a cycle."""
+    assert "ct2" not in _package_imports("translate") and "inference" not in _package_imports("ct2")

@@ -5,8 +5,8 @@ __version__ = '0.1.0'
 
 def load(checkpoint=None, **options):
     """A Translator for a run directory or checkpoint (a list of them: an ensemble); `options` are
-    `translate.load_translator`'s (device, precision, beam, alpha, max_len). Imported late, so that
+    `inference.load_translator`'s (device, precision, beam, alpha, max_len, engine). Imported late, so that
     `import transformer_mt.config` stays free of torch."""
-    from .translate import load_translator
+    from .inference import load_translator
 
     return load_translator(checkpoint, **options)

@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -99,7 +99,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return ckpt
 
 
-def resolve_checkpoint(path: Optional[str | os.PathLike], runs_dir: str | os.PathLike = "runs") -> Path:
+def resolve_checkpoint(path: str | os.PathLike | None, runs_dir: str | os.PathLike = "runs") -> Path:
     """A checkpoint file, a run directory (its best, else last, checkpoint), or — when None —
     the best checkpoint of the most recently trained run under ./runs/."""
     if path is None:
@@ -177,7 +177,7 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, tokenizer: To
 
 def restore_training(path: Path, *, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: Any,
                      scaler: Any, cfg: Config, tokenizer: Tokenizer, run_dir: Path,
-                     device: torch.device, ckpt: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                     device: torch.device, ckpt: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load a training checkpoint (or take `ckpt`, already loaded from `path`) into the model, optimizer, schedule
     and grad scaler, after the resume checks; returns it (the caller restores its train_state and rng)."""
     ckpt = ckpt if ckpt is not None else load_checkpoint(path, map_location=device)
@@ -232,7 +232,7 @@ def step_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return sorted(Path(run_dir, "checkpoints").glob("step_*.pt"), key=step_of)
 
 
-def validation_score(metrics: dict[str, float]) -> Optional[float]:
+def validation_score(metrics: dict[str, float]) -> float | None:
     """What "better" means for checkpoints: validation BLEU, else minus the loss; None if not validated."""
     if "bleu" in metrics:
         return metrics["bleu"]
@@ -278,7 +278,7 @@ def _validated_scores(paths: list[Path]) -> dict[Path, float]:
 
 
 def average_run(run_dir: str | os.PathLike, *, last: int = 0, best: int = 0,
-                output: Optional[str | os.PathLike] = None) -> tuple[Path, list[int]]:
+                output: str | os.PathLike | None = None) -> tuple[Path, list[int]]:
     """`tmt average`: average the newest `last` (or the `best` best-validating) step checkpoints."""
     paths = step_checkpoints(run_dir)
     n = last or best

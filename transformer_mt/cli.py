@@ -279,7 +279,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from .translate import load_translator
+    from .inference import load_translator
 
     plot = _attention_plotter(args.plot_attention, args.plot_all_heads)  # fails before loading if the extra is missing
     translator = load_translator(args.checkpoint, device=args.device, precision=args.precision, beam=args.beam,
@@ -354,7 +354,7 @@ def _stdin_lines() -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import Limits, model_threads, require_serve_extra, serve
-    from .translate import load_translator
+    from .inference import load_translator
 
     require_serve_extra()
     model_threads(args.threads)
@@ -369,7 +369,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_score(args: argparse.Namespace) -> int:
     from .data import pair_lines
-    from .translate import load_translator
+    from .inference import load_translator
 
     translator = load_translator(args.checkpoint, device=args.device, precision=args.precision, engine=args.engine)
     logprob, tokens, n = 0.0, 0, 0

@@ -13,7 +13,7 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from .search import Cancelled, Sampling, length_penalty, max_output_len
 from .translate import BaseTranslator, Scored, Translation, decode_overrides
 from .vocab import BOS, EOS, PAD
 
-Hyp = tuple[list[str], Optional[float], list[float]]  # pieces without EOS, log P (None: not known yet), per token
+Hyp = tuple[list[str], float | None, list[float]]  # pieces without EOS, log P (None: not known yet), per token
 COMPUTE_TYPES = {None: "default", "auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "int8": "int8"}
 
@@ -35,9 +35,9 @@ class CT2Translator(BaseTranslator):
 
     engine = "ctranslate2"
 
-    def __init__(self, directory: str | Path, *, device: str = "auto", precision: Optional[str] = None,
-                 beam: Optional[int] = None, alpha: Optional[float] = None,
-                 max_len: Optional[Sequence[float]] = None, threads: int = 0):
+    def __init__(self, directory: str | Path, *, device: str = "auto", precision: str | None = None,
+                 beam: int | None = None, alpha: float | None = None,
+                 max_len: Sequence[float] | None = None, threads: int = 0):
         """precision: the compute type (fp32, bf16, fp16, int8; default: as the export stores its weights)."""
         ct2 = import_ctranslate2()
         self.directory = Path(directory)
@@ -58,11 +58,11 @@ class CT2Translator(BaseTranslator):
                                     inter_threads=1, intra_threads=threads or torch.get_num_threads())
         self._specials = [self.tokenizer.tgt.id_to_piece(PAD), self.tokenizer.tgt.id_to_piece(BOS)]
 
-    def translate(self, lines: Sequence[str], *, beam: Optional[int] = None, nbest: int = 1,
-                  attention: bool = False, alignment: bool = False, sampling: Optional[Sampling] = None,
-                  generator: Optional[torch.Generator] = None, token_scores: bool = True,
-                  alpha: Optional[float] = None, max_len: Optional[Sequence[float]] = None,
-                  should_stop: Optional[Callable[[], bool]] = None) -> list[list[Translation]]:
+    def translate(self, lines: Sequence[str], *, beam: int | None = None, nbest: int = 1,
+                  attention: bool = False, alignment: bool = False, sampling: Sampling | None = None,
+                  generator: torch.Generator | None = None, token_scores: bool = True,
+                  alpha: float | None = None, max_len: Sequence[float] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> list[list[Translation]]:
         """The `nbest` best translations of each line, best first. token_scores=False leaves
         token_logprobs empty and skips the scoring pass that computes them. alpha and max_len override the
         decode settings for this call; should_stop is asked before the search and before each scoring pass
@@ -111,7 +111,7 @@ class CT2Translator(BaseTranslator):
             import_ctranslate2().set_random_seed(sampling.seed)
         return torch.Generator()
 
-    def translate_text(self, lines: Sequence[str], *, beam: Optional[int] = None) -> list[str]:
+    def translate_text(self, lines: Sequence[str], *, beam: int | None = None) -> list[str]:
         """One output line per input line, without the scoring pass for per-token log-probabilities."""
         return [hyps[0].text for hyps in self.translate(lines, beam=beam, token_scores=False)]
 
@@ -124,7 +124,7 @@ class CT2Translator(BaseTranslator):
 
     # ----------------------------------------------------------------------------------------- internals
 
-    def _search(self, ids: list[list[int]], budgets: list[int], beam: int, sampling: Optional[Sampling]
+    def _search(self, ids: list[list[int]], budgets: list[int], beam: int, sampling: Sampling | None
                 ) -> list[list[Hyp]]:
         """(pieces, log-probability or None, []) of each source's hypotheses, within its own length budget.
 
@@ -195,13 +195,13 @@ class CT2Translator(BaseTranslator):
                                          batch_type="tokens", max_input_length=0)
         return [list(r.log_probs) for r in results]
 
-    def _rank(self, pieces: list[str], logprob: float, beam: int, sampling: Optional[Sampling]) -> float:
+    def _rank(self, pieces: list[str], logprob: float, beam: int, sampling: Sampling | None) -> float:
         """What ranks a hypothesis, as in our search: log P / lp(|Y| + 1) under beam search, else log P."""
         return logprob / length_penalty(len(pieces) + 1, self.decode.alpha) if beam > 1 and sampling is None \
             else logprob
 
     def _translation(self, pieces: list[str], logprob: float, token_logprobs: list[float], beam: int,
-                     sampling: Optional[Sampling]) -> Translation:
+                     sampling: Sampling | None) -> Translation:
         score = self._rank(pieces, logprob, beam, sampling)
         text = self.tokenizer.decode_tgt([self.tokenizer.tgt.piece_to_id(list(pieces))])[0]
         return Translation(text, list(pieces), logprob, score, token_logprobs)
@@ -252,9 +252,9 @@ def _device(ct2: Any, device: str) -> str:
     return device
 
 
-def load_ct2_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.PathLike]] = None, *,
-                        device: str = "auto", precision: Optional[str] = None, beam: Optional[int] = None,
-                        alpha: Optional[float] = None, max_len: Optional[Sequence[float]] = None) -> CT2Translator:
+def load_ct2_translator(checkpoint: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
+                        device: str = "auto", precision: str | None = None, beam: int | None = None,
+                        alpha: float | None = None, max_len: Sequence[float] | None = None) -> CT2Translator:
     """A CT2Translator for an export directory, or for a checkpoint / run directory (exported once, as
     float32, into the run's ct2-cache/; CTranslate2 converts to the compute type on load)."""
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):

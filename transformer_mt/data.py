@@ -17,7 +17,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator, Optional, Sequence
+from typing import BinaryIO, Iterable, Iterator, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
@@ -525,7 +525,7 @@ def collate(corpus: TokenizedCorpus, indices: Sequence[int]) -> Batch:
     return Batch(pad_sources(srcs), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), n_tgt, n_src)
 
 
-def pad_sources(seqs: Sequence[Sequence[int]], max_len: Optional[int] = None) -> torch.Tensor:
+def pad_sources(seqs: Sequence[Sequence[int]], max_len: int | None = None) -> torch.Tensor:
     """(B, S) source batch: ids (cut to max_len - 1 when given), then EOS, PAD-padded."""
     if max_len is not None:
         seqs = [s[:max_len - 1] for s in seqs]

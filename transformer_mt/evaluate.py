@@ -9,7 +9,8 @@ from typing import Any, Optional, Sequence
 
 from .data import DataError, read_lines, read_split
 from .metrics import ASIAN, compare, paper_bleu, score
-from .translate import BaseTranslator, load_translator
+from .inference import load_translator
+from .translate import BaseTranslator
 
 
 def evaluate(checkpoint: Optional[str | Sequence[str]] = None, *, src: Optional[str] = None,

@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -46,7 +46,7 @@ def is_export(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file() and (Path(path) / "model.bin").is_file()
 
 
-def export_ctranslate2(checkpoint: Optional[str | Path], output: str | Path, quantization: str = "float32",
+def export_ctranslate2(checkpoint: str | Path | None, output: str | Path, quantization: str = "float32",
                        force: bool = False) -> Path:
     """Convert a checkpoint (or a run directory's best) into a CTranslate2 model directory `output`.
 

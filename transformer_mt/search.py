@@ -77,17 +77,17 @@ class Sampling:
     topk: int = 0
     topp: float = 1.0
     temperature: float = 1.0
-    seed: Optional[int] = None  # None: torch's global generator
+    seed: int | None = None  # None: torch's global generator
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or self.topk < 0 or not 0 < self.topp <= 1:
             raise ValueError(f"sampling needs temperature >= 0, topk >= 0 and 0 < topp <= 1, got {self}")
 
-    def generator(self, device: torch.device) -> Optional[torch.Generator]:
+    def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator seeded with `seed`, to be passed along one whole job (not re-seeded per batch)."""
         return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 
-    def choose(self, logp: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    def choose(self, logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """logp (n, V) log-probabilities (specials masked) -> (n,) next tokens."""
         if self.temperature == 0:
             return logp.argmax(-1)
@@ -107,7 +107,7 @@ class Sampling:
 
 @torch.no_grad()
 def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10,
-                  sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None,
+                  sampling: Sampling | None = None, generator: torch.Generator | None = None,
                   should_stop: StopCheck = None) -> list[list[Hypothesis]]:
     """The most likely next token at each step (or one drawn by `sampling`); src (B, S) -> one
     hypothesis per sentence (a list of one, like beam search's n-best lists). `should_stop` is asked
@@ -258,7 +258,7 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
 
 
 def search(model: Transformer, src: torch.Tensor, *, beam: int, decode: DecodeConfig, nbest: int = 1,
-           sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None,
+           sampling: Sampling | None = None, generator: torch.Generator | None = None,
            should_stop: StopCheck = None) -> list[list[Hypothesis]]:
     """Greedy search for beam 1 (or sampling, when given), else beam search, with the settings of `decode`."""
     if beam == 1 or sampling is not None:
@@ -269,7 +269,7 @@ def search(model: Transformer, src: torch.Tensor, *, beam: int, decode: DecodeCo
 
 
 def translate_ids(model: Transformer, ids: Sequence[Sequence[int]], decode: DecodeConfig, *, beam: int,
-                  nbest: int = 1, sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None,
+                  nbest: int = 1, sampling: Sampling | None = None, generator: torch.Generator | None = None,
                   should_stop: StopCheck = None) -> list[list[Hypothesis]]:
     """The n-best hypotheses of each source, in input order; an empty source gives one empty hypothesis.
 

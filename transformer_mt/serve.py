@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import UserError
 
@@ -89,7 +89,7 @@ class Limits:
 class Refused(Exception):
     """A request the server turns down: HTTP status, message, and headers."""
 
-    def __init__(self, status: int, message: str, headers: Optional[dict[str, str]] = None):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.headers = status, headers or {}
 
@@ -104,8 +104,8 @@ class Job:
     deadline: float
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    work: Optional[list[int]] = None  # steps of each line (None: one each)
-    steps: Optional[list[int]] = None  # decoding steps (output budget) of each line; 0 when scored
+    work: list[int] | None = None  # steps of each line (None: one each)
+    steps: list[int] | None = None  # decoding steps (output budget) of each line; 0 when scored
     cancelled: bool = False  # its client left, or its deadline was seen to pass
     results: list = field(default_factory=list)  # the answers of lines[:len(results)]
     served: int = 0  # decoding steps done for it so far: the least-served job goes first
@@ -123,7 +123,7 @@ class Job:
         """Nobody waits for this any more: the client left or the deadline passed."""
         return self.cancelled or time.monotonic() > self.deadline
 
-    def finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         def settle() -> None:  # on the event loop's thread: futures are not thread-safe
             if self.future.done():
                 return
@@ -151,14 +151,14 @@ class Batcher:
 
     translator: BaseTranslator
     limits: Limits
-    jobs: "queue.Queue[Optional[Job]]" = field(default_factory=queue.Queue)
+    jobs: "queue.Queue[Job | None]" = field(default_factory=queue.Queue)
     stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("served", "dropped", "failed", "batches", "pending", "left", "receiving", "worker_errors"), 0))
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: list[Job] = field(default_factory=list)  # taken from the queue, not finished (worker thread only)
     running: list[Job] = field(default_factory=list)  # the jobs of the batch in hand (worker thread only)
     stopping: bool = False
-    thread: Optional[threading.Thread] = None
+    thread: threading.Thread | None = None
     death_reported: bool = False
 
     def start(self) -> None:
@@ -330,7 +330,7 @@ class Batcher:
             raise WrongCount(f"the translator answered {len(results)} results for {len(lines)} lines")
         return results
 
-    def _fail(self, jobs: Sequence[Job], error: Optional[BaseException] = None) -> None:
+    def _fail(self, jobs: Sequence[Job], error: BaseException | None = None) -> None:
         """Answer each job not answered yet with its error: a user error as it is (400), anything else 500."""
         for job in [j for j in dict.fromkeys(jobs) if j in self.active]:
             job.finish(error=error if isinstance(error, UserError) else
@@ -522,7 +522,7 @@ def translation_json(source: str, hyps: list[Translation], attention: bool, alig
     return {"source": source, "hypotheses": out}
 
 
-def checkpoint_name(path: Optional[Path]) -> Optional[str]:
+def checkpoint_name(path: Path | None) -> str | None:
     """RUN/FILE: which model this is, without the server's directories (…/RUN/checkpoints/FILE or …/RUN/FILE)."""
     if path is None:
         return None
@@ -652,7 +652,7 @@ def create_app(translator: BaseTranslator, limits: Limits = Limits()) -> Any:
     return app
 
 
-def model_threads(threads: Optional[int] = None) -> int:
+def model_threads(threads: int | None = None) -> int:
     """Set the model's CPU threads (call before loading it): `threads`, else one less than the cores this process
     may use, so that the event loop (HTTP, JSON, tokenizing) keeps a core and the model's threads never wait for
     it (on 2 cores, two model threads beside a busy event loop doubled the p95 latency: scripts/soak_serve.py);

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ class TrainState:
                 "best_step": self.best_step, "target_tokens": self.target_tokens, "stopped": reason,
                 "run_dir": str(run_dir), "rank": rank}
 
-    def record_validation(self, score: Optional[float]) -> bool:
+    def record_validation(self, score: float | None) -> bool:
         """Note this step's validation score; True if it is the best so far (always, with nothing to score)."""
         improved = score is None or score > self.best_score
         if improved:
@@ -106,7 +106,7 @@ class TrainState:
 # --------------------------------------------------------------------------- set-up
 
 
-def resume_path(run_dir: Path, resume: Optional[str | Path | bool]) -> Optional[Path]:
+def resume_path(run_dir: Path, resume: str | Path | bool | None) -> Path | None:
     """The checkpoint to resume from; refuses to start over a run that has checkpoints."""
     last = run_dir / "checkpoints" / "last.pt"
     if resume is None or resume is False:
@@ -140,8 +140,8 @@ class TrainingData:
 
     train: TokenizedCorpus
     train_idx: np.ndarray
-    valid: Optional[TokenizedCorpus] = None
-    valid_idx: Optional[np.ndarray] = None
+    valid: TokenizedCorpus | None = None
+    valid_idx: np.ndarray | None = None
 
 
 def prepare_data(cfg: Config, tokenizer: Tokenizer) -> TrainingData:
@@ -249,7 +249,7 @@ def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: t
 
 
 def set_up_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device, precision: str,
-                     resumed_ckpt: Optional[dict[str, Any]] = None) -> str:
+                     resumed_ckpt: dict[str, Any] | None = None) -> str:
     """The precision to train in (auto on a CPU: measured, bf16 only where the CPU has it; a resumed auto run keeps
     the one it began in, so one run never mixes two); bf16-output sets the model's output projection to bf16."""
     resumed = resumed_ckpt["train_state"].get("precision", "") if resumed_ckpt is not None else ""
@@ -331,7 +331,7 @@ class StopSignals:
     a second one stops at once. Outside the main thread (no signals there) it does nothing."""
 
     def __init__(self) -> None:
-        self.caught: Optional[str] = None
+        self.caught: str | None = None
         self.previous: dict[int, Any] = {}
 
     def handler(self, signum: int, frame: Any) -> None:
@@ -385,7 +385,7 @@ class EpochBatches:
 class Trainer:
     """Builds data, tokenizer, model and optimizer from a Config and runs the loop."""
 
-    def __init__(self, cfg: Config, resume: Optional[str | Path | bool] = None):
+    def __init__(self, cfg: Config, resume: str | Path | bool | None = None):
         self.started = time.perf_counter()
         self.cfg, self.run_dir, tc = cfg, Path(cfg.output_dir), cfg.train
         resume_from = resume_path(self.run_dir, resume)
@@ -501,7 +501,7 @@ class Trainer:
             budget = {"min": f"{self.minutes():.1f}/{tc.max_minutes:g}"} if tc.max_minutes else {}
             meter.log(step, loss, self.scheduler.get_last_lr()[0], bar, self.writer, **budget)
 
-    def _stop_interrupted(self, bar: tqdm, signal_name: Optional[str]) -> None:
+    def _stop_interrupted(self, bar: tqdm, signal_name: str | None) -> None:
         """After a signal: write last.pt (every rank gives its RNG state; rank 0 writes) and stop."""
         bar.close()
         rng = gathered_rng(self.dist)
@@ -524,7 +524,7 @@ class Trainer:
         """Training wall-clock so far (set-up included), summed over resumed runs."""
         return (self.state.seconds + time.perf_counter() - self.started) / 60
 
-    def train_step(self, micro: list[Batch], global_tokens: Optional[int] = None) -> torch.Tensor:
+    def train_step(self, micro: list[Batch], global_tokens: int | None = None) -> torch.Tensor:
         """One optimizer update over `micro` batches; returns the summed loss (a device tensor). The loss is normalised
         by the update's target tokens over all ranks, known on the host (no sync); DDP averages gradients over
         ranks, so each rank scales its share by the world size."""
@@ -555,7 +555,7 @@ class Trainer:
     def validation_metrics(self) -> dict[str, float]:
         return validate(self.model, self.data, self.valid_refs, self.tokenizer, self.cfg, self.precision, self.device)
 
-    def validate_and_save(self, bar: Optional[tqdm] = None) -> bool:
+    def validate_and_save(self, bar: tqdm | None = None) -> bool:
         """Validate, write checkpoints (last, step_N, best), and say whether to stop early. Under DDP rank 0
         does this while the others wait; every rank learns the early-stop decision."""
         rng = gathered_rng(self.dist)
@@ -587,7 +587,7 @@ class Trainer:
 # --------------------------------------------------------------------------- validation
 
 
-def validate(model: Transformer, data: TrainingData, refs: Optional[list[str]], tokenizer: Tokenizer, cfg: Config,
+def validate(model: Transformer, data: TrainingData, refs: list[str] | None, tokenizer: Tokenizer, cfg: Config,
              precision: str, device: torch.device) -> dict[str, float]:
     """Validation loss and perplexity, and BLEU against `refs` when given; empty without a valid split.
     The model is left in training mode."""
@@ -673,7 +673,7 @@ class TrainingDiverged(UserError):
                    "(lower train.lr_factor, raise train.warmup or set train.clip_norm)")
 
 
-def train(cfg: Config, resume: Optional[str | Path | bool] = None) -> dict[str, Any]:
+def train(cfg: Config, resume: str | Path | bool | None = None) -> dict[str, Any]:
     """Train a model as the config says; the run directory is cfg.output_dir. Under torchrun the
     process group is left on the way out, also on errors and interruptions."""
     clean = False

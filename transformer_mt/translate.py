@@ -1,5 +1,5 @@
-"""What a user does with a trained model, as data: `load_translator` (or `transformer_mt.load`) sets one
-or several checkpoints up for inference; `Translator` translates (n-best, scores, attention, alignment,
+"""What a user does with a trained model, as data, on our PyTorch engine: `load_torch_translator` sets one
+or several checkpoints up for inference (inference.load_translator, or `transformer_mt.load`, over both engines); `Translator` translates (n-best, scores, attention, alignment,
 sampling) and scores given translations (forced decoding), in batches sorted by length."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -38,9 +38,9 @@ class Translation:
     source_pieces: list[str] = field(default_factory=list)
     # Cross-attention of the last decoder layer, averaged over its heads: one row per piece (then EOS),
     # one column per source piece (then EOS). With attention=True only.
-    attention: Optional[list[list[float]]] = None
-    attention_heads: Optional[torch.Tensor] = None  # every layer and head: (layers, heads, rows, columns)
-    alignment: Optional[list[tuple[int, int]]] = None  # (source word, target word) pairs, 0-based
+    attention: list[list[float]] | None = None
+    attention_heads: torch.Tensor | None = None  # every layer and head: (layers, heads, rows, columns)
+    alignment: list[tuple[int, int]] | None = None  # (source word, target word) pairs, 0-based
 
     def pharaoh(self) -> str:
         """The alignment as `0-0 1-2 ...` (source-target), the format fairseq and Marian print."""
@@ -73,13 +73,13 @@ class BaseTranslator:
     bounded memory, and the checks on inputs. Engines: `Translator` (ours, PyTorch) and
     `ct2.CT2Translator` (a CTranslate2 export).
 
-    From `load_translator` it also knows where it came from: `checkpoint` (path of the first model),
+    From `inference.load_translator` it also knows where it came from: `checkpoint` (path of the first model),
     `config` (its run's) and `step`; built around a model in memory (validation, tests), those are None.
     """
 
-    checkpoint: Optional[Path] = None
-    config: Optional[Config] = None
-    step: Optional[int] = None
+    checkpoint: Path | None = None
+    config: Config | None = None
+    step: int | None = None
     engine = "torch"
     tokenizer: Tokenizer
     decode: DecodeConfig
@@ -94,11 +94,11 @@ class BaseTranslator:
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
         raise NotImplementedError
 
-    def translate_text(self, lines: Sequence[str], *, beam: Optional[int] = None) -> list[str]:
+    def translate_text(self, lines: Sequence[str], *, beam: int | None = None) -> list[str]:
         """One output line per input line (the best translation), in input order."""
         return [hyps[0].text for hyps in self.translate(lines, beam=beam)]
 
-    def translate_stream(self, lines: Iterable[str], *, chunk: int = 2000, sampling: Optional[Sampling] = None,
+    def translate_stream(self, lines: Iterable[str], *, chunk: int = 2000, sampling: Sampling | None = None,
                          **options: Any) -> Iterator[tuple[str, list[Translation]]]:
         """Translate an arbitrarily long stream in chunks of `chunk` lines, yielding (line, its n-best list)
         in order; `options` are translate()'s. A sampling seed seeds the whole stream once.
@@ -118,7 +118,7 @@ class BaseTranslator:
         """The random generator a whole sampled stream draws from (seeded once)."""
         return sampling.generator(self.device)
 
-    def _beam(self, beam: Optional[int], nbest: int, sampling: Optional[Sampling]) -> int:
+    def _beam(self, beam: int | None, nbest: int, sampling: Sampling | None) -> int:
         beam = beam or self.decode.beam
         if nbest > beam and sampling is None:
             raise ConfigError(f"--nbest {nbest} is more than the beam ({beam}): beam search keeps {beam} hypotheses")
@@ -144,7 +144,7 @@ class Translator(BaseTranslator):
     attention, alignment and sampling."""
 
     def __init__(self, model: Transformer | Ensemble, tokenizer: Tokenizer, decode: DecodeConfig,
-                 device: Optional[torch.device] = None, precision: str = "fp32"):
+                 device: torch.device | None = None, precision: str = "fp32"):
         """precision: the run's train.precision; bf16 and fp16 runs decode with a copy of the model in that
         dtype, int8 with its linear layers quantized (runtime.inference_model); the caller's model is left
         as it is."""
@@ -154,10 +154,10 @@ class Translator(BaseTranslator):
         self.model, self.precision = inference_model(model, precision, self.device)
         self.max_positions = model.cfg.max_positions
 
-    def translate(self, lines: Sequence[str], *, beam: Optional[int] = None, nbest: int = 1,
-                  attention: bool = False, alignment: bool = False, sampling: Optional[Sampling] = None,
-                  generator: Optional[torch.Generator] = None, alpha: Optional[float] = None,
-                  max_len: Optional[Sequence[float]] = None, should_stop: Optional[Callable[[], bool]] = None
+    def translate(self, lines: Sequence[str], *, beam: int | None = None, nbest: int = 1,
+                  attention: bool = False, alignment: bool = False, sampling: Sampling | None = None,
+                  generator: torch.Generator | None = None, alpha: float | None = None,
+                  max_len: Sequence[float] | None = None, should_stop: Callable[[], bool] | None = None
                   ) -> list[list[Translation]]:
         """The `nbest` best translations of each line, best first (one per line when sampling).
 
@@ -247,25 +247,16 @@ def _line(text: str) -> str:
     return text[:-1] if text.endswith("\r") else text
 
 
-def load_translator(checkpoint: Optional[str | os.PathLike | Sequence[str | os.PathLike]] = None, *,
-                    device: str = "auto", precision: Optional[str] = None, beam: Optional[int] = None,
-                    alpha: Optional[float] = None, max_len: Optional[Sequence[float]] = None,
-                    engine: str = "torch") -> BaseTranslator:
-    """A Translator for a checkpoint file or run directory (None: the newest run under ./runs/); several
-    checkpoints decode as an ensemble (they must share one SentencePiece model).
+def load_torch_translator(checkpoint: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
+                          device: str = "auto", precision: str | None = None, beam: int | None = None,
+                          alpha: float | None = None, max_len: Sequence[float] | None = None) -> Translator:
+    """Our engine's Translator for a checkpoint file or run directory (None: the newest run under ./runs/);
+    several checkpoints decode as an ensemble (they must share one SentencePiece model).
 
     precision defaults to the one the run trained and validated in (trained_precision; int8: the linear layers
     quantized, on the CPU); beam, alpha and max_len (A, B: output at most A x source length + B tokens) override
-    the run's decode settings. engine="ctranslate2" decodes with CTranslate2 instead, from a `tmt export`
-    directory or a checkpoint (exported once, into the run's ct2-cache/).
+    the run's decode settings. inference.load_translator is the API over both engines.
     """
-    if engine == "ctranslate2":
-        from .ct2 import load_ct2_translator
-
-        return load_ct2_translator(checkpoint, device=device, precision=precision, beam=beam, alpha=alpha,
-                                   max_len=max_len)
-    if engine != "torch":
-        raise ConfigError(f"unknown engine {engine!r}: torch or ctranslate2")
     for c in [checkpoint] if checkpoint is None or isinstance(checkpoint, (str, os.PathLike)) else checkpoint:
         if c is not None and is_export(c):
             raise ConfigError(f"{c} is a CTranslate2 export: decode it with --engine ctranslate2")
@@ -313,8 +304,8 @@ def trained_precision(ckpt: dict[str, Any], path: Path, cfg: Config) -> str:
     return recorded or cfg.train.precision
 
 
-def decode_overrides(decode: DecodeConfig, *, beam: Optional[int] = None, alpha: Optional[float] = None,
-                     max_len: Optional[Sequence[float]] = None) -> DecodeConfig:
+def decode_overrides(decode: DecodeConfig, *, beam: int | None = None, alpha: float | None = None,
+                     max_len: Sequence[float] | None = None) -> DecodeConfig:
     """The run's decode settings with command-line overrides, checked like the config's own."""
     changes: dict[str, Any] = {}
     if beam is not None:
