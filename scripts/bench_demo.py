@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import cpu_bf16, cpu_model, replace_section
+from benchlib import cpu_bf16, cpu_model, replace_section, reported_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 AVX2_ONLY = {
@@ -91,18 +91,6 @@ def verdict(res: dict) -> dict[str, bool]:
     }
 
 
-def cpu_flags() -> list[str]:
-    try:
-        flags = next(
-            line.split(":", 1)[1].split()
-            for line in open("/proc/cpuinfo")
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return []
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-
-
 def write_section(res: dict, path: Path) -> None:
     rows = "\n".join(
         f"| {s['output']} | {s['reference']} | {'yes' if s['complete'] else '**no**'} | "
@@ -160,7 +148,7 @@ def main() -> int:
     res = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_model(),
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": reported_flags(),
         "cpu_bf16": cpu_bf16(),
         "avx2": args.avx2,
         "seconds": round(seconds, 1),

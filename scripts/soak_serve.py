@@ -36,7 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from benchlib import cpu_model, replace_section
+from benchlib import cpu_model, replace_section, reported_flags
 from transformer_mt.checkpoint import resolve_checkpoint, run_dir_of
 from transformer_mt.config import load_config
 from transformer_mt.data import read_lines
@@ -48,7 +48,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k" / "test_2016_flickr.en.gz"
 TARGETS = {"p95_s": 2.0, "rss_growth": 0.10}
 MAX_REQUESTS = 20_000  # per client: the soak is bounded in count as well as in time
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 
 
 @dataclass
@@ -531,7 +530,7 @@ def soak(server: Server, run: Path, pool: list[str], minutes: float) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "cpu_flags": [f for f in CPU_FLAGS if f in _flags()],
+        "cpu_flags": reported_flags(),
         "minutes": minutes,
         "seconds": round(time.monotonic() - start, 1),
         "limits": limits,
@@ -567,22 +566,6 @@ def soak(server: Server, run: Path, pool: list[str], minutes: float) -> dict:
             "growth": (rss_end - rss_start) / rss_start if rss_end else None,
         },
     }
-
-
-def _flags() -> set[str]:
-    try:
-        return set(
-            next(
-                (
-                    line.split(":", 1)[1].split()
-                    for line in open("/proc/cpuinfo")
-                    if line.startswith("flags")
-                ),
-                [],
-            )
-        )
-    except OSError:
-        return set()
 
 
 def write_section(res: dict, path: Path) -> None:
