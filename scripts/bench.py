@@ -1,13 +1,16 @@
-"""`make bench`: training and decoding speed, side by side with the peers, into BENCHMARKS.md + bench.json.
+"""`make bench`: training and decoding speed, side by side with the peers, into BENCHMARKS.md +
+bench.json.
 
 Measured in one run on one machine (these machines are shared and noisy: read the ratios):
   - the matmul ceiling (fp32, bf16) on the model's shapes;
-  - training target tokens/s of ours (fp32, bf16 autocast, bf16-output) and of a plain torch.nn.Transformer loop
-    (fp32, bf16) on the *same* batches, taking turns every 10 steps, medians of the 10-step windows;
-  - fairseq and JoeyNMT through ../shared/peers, once a round (skipped with a message when the kit is absent);
+  - training target tokens/s of ours (fp32, bf16 autocast, bf16-output) and of a plain
+    torch.nn.Transformer loop (fp32, bf16) on the *same* batches, taking turns every 10 steps,
+    medians of the 10-step windows;
+  - fairseq and JoeyNMT through ../shared/peers, once a round (skipped with a message when the kit
+    is absent);
   - tokens/s against batch size, and decoding cost per token against output length (KV cache);
-  - beam-4 decoding of test_2016_flickr by ours (bf16 and fp32) and fairseq-generate, when both have a model
-    trained for the same budget (`make bench-quality` trains them), and by JoeyNMT once when
+  - beam-4 decoding of test_2016_flickr by ours (bf16 and fp32) and fairseq-generate, when both have
+    a model trained for the same budget (`make bench-quality` trains them), and by JoeyNMT once when
     `bash ../shared/peers/budget.sh joey 20` has trained its model.
 
 usage: python scripts/bench.py [--rounds 2] [--steps 30] [--no-peers] [--quick]
@@ -35,11 +38,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_decode import peak_rss_mb  # noqa: E402
 from benchlib import cpu_bf16, cpu_model, replace_section  # noqa: E402
+
 from transformer_mt.config import config_from_dict  # noqa: E402
 from transformer_mt.data import Batch, collate, make_batches  # noqa: E402
 from transformer_mt.runtime import DTYPES, matmul_gflops  # noqa: E402
-from transformer_mt.vocab import PAD  # noqa: E402
 from transformer_mt.train import Trainer, label_smoothed_loss  # noqa: E402
+from transformer_mt.vocab import PAD  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 MULTI30K = SHARED / "data" / "multi30k"
@@ -50,13 +54,36 @@ BENCH_RUN = ROOT / "runs" / "bench"
 # The peers' model: 3+3 layers, d 256, 4 heads, FFN 1024, pre-norm, all embeddings tied, dropout 0.1
 # everywhere, Adam (0.9, 0.98), warm-up 200 to a 1e-3 peak (Noam factor 1e-3 * sqrt(256 * 200)).
 BENCH_CONFIG = {
-    "data": {"src_lang": "en", "tgt_lang": "de", "train": str(MULTI30K / "train"), "valid": str(MULTI30K / "val"),
-             "test": str(MULTI30K / "test_2016_flickr"), "max_len": 128},
+    "data": {
+        "src_lang": "en",
+        "tgt_lang": "de",
+        "train": str(MULTI30K / "train"),
+        "valid": str(MULTI30K / "val"),
+        "test": str(MULTI30K / "test_2016_flickr"),
+        "max_len": 128,
+    },
     "tokenizer": {"type": "unigram", "vocab_size": 8000, "joint": True},
-    "model": {"d_model": 256, "heads": 4, "encoder_layers": 3, "decoder_layers": 3, "d_ff": 1024, "norm": "pre",
-              "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1, "tie_embeddings": True},
-    "train": {"max_tokens": 4096, "warmup": 200, "lr_factor": 1e-3 * math.sqrt(256 * 200), "clip_norm": 0.0,
-              "seed": 42, "threads": 2, "valid_bleu": False},
+    "model": {
+        "d_model": 256,
+        "heads": 4,
+        "encoder_layers": 3,
+        "decoder_layers": 3,
+        "d_ff": 1024,
+        "norm": "pre",
+        "dropout": 0.1,
+        "attention_dropout": 0.1,
+        "activation_dropout": 0.1,
+        "tie_embeddings": True,
+    },
+    "train": {
+        "max_tokens": 4096,
+        "warmup": 200,
+        "lr_factor": 1e-3 * math.sqrt(256 * 200),
+        "clip_norm": 0.0,
+        "seed": 42,
+        "threads": 2,
+        "valid_bleu": False,
+    },
     "decode": {"beam": 4, "alpha": 1.0, "max_len_a": 1.2, "max_len_b": 10},
     "output_dir": str(BENCH_RUN),
 }
@@ -67,27 +94,56 @@ def log(msg: str) -> None:
 
 
 def evaluate_test(checkpoint: Path, *flags: str) -> dict:
-    """`tmt evaluate --json` of a checkpoint (or run directory) on test_2016_flickr with extra flags; raises
-    CalledProcessError (with the stderr) when it fails."""
+    """`tmt evaluate --json` of a checkpoint (or run directory) on test_2016_flickr with extra
+    flags; raises CalledProcessError (with the stderr) when it fails."""
     test = MULTI30K / "test_2016_flickr"
-    out = subprocess.run([sys.executable, "-m", "transformer_mt", "evaluate", "--checkpoint", str(checkpoint),
-                          "--src", f"{test}.en.gz", "--ref", f"{test}.de.gz", "--json", *flags],
-                         cwd=ROOT, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "transformer_mt",
+            "evaluate",
+            "--checkpoint",
+            str(checkpoint),
+            "--src",
+            f"{test}.en.gz",
+            "--ref",
+            f"{test}.de.gz",
+            "--json",
+            *flags,
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout)
 
 
-# --------------------------------------------------------------------------- FLOPs and the matmul ceiling
+# --------------------------------------------------------------------------- FLOPs and the matmul
+# ceiling
 
 
 def matmul_peak(seconds: float) -> dict[str, float]:
     """Sustained torch.mm GFLOP/s (max over the model's shapes), fp32 and bf16."""
-    shapes = [(4096, 256, 1024), (4096, 1024, 256), (4096, 256, 768), (4096, 256, 256), (4096, 256, 8000)]
+    shapes = [
+        (4096, 256, 1024),
+        (4096, 1024, 256),
+        (4096, 256, 768),
+        (4096, 256, 256),
+        (4096, 256, 8000),
+    ]
     cpu = torch.device("cpu")
-    return {name: round(max(matmul_gflops(cpu, DTYPES[name], m, k, n, seconds) for m, k, n in shapes), 1)
-            for name in ("fp32", "bf16")}
+    return {
+        name: round(
+            max(matmul_gflops(cpu, DTYPES[name], m, k, n, seconds) for m, k, n in shapes), 1
+        )
+        for name in ("fp32", "bf16")
+    }
 
 
-# --------------------------------------------------------------------------- the plain-PyTorch reference
+# --------------------------------------------------------------------------- the plain-PyTorch
+# reference
 
 
 class Reference(nn.Module):
@@ -113,8 +169,14 @@ class Reference(nn.Module):
 
         T = tgt_in.size(1)
         causal = torch.triu(torch.full((T, T), float("-inf")), 1)
-        h = self.tf(embed(src), embed(tgt_in), tgt_mask=causal, src_key_padding_mask=src == PAD,
-                    tgt_key_padding_mask=tgt_in == PAD, memory_key_padding_mask=src == PAD)
+        h = self.tf(
+            embed(src),
+            embed(tgt_in),
+            tgt_mask=causal,
+            src_key_padding_mask=src == PAD,
+            tgt_key_padding_mask=tgt_in == PAD,
+            memory_key_padding_mask=src == PAD,
+        )
         return h @ self.emb.weight.t()
 
 
@@ -135,7 +197,9 @@ def reference_step_fn(vocab: int, bf16: bool):
 
 
 def ours_step_fn(trainer_cfg, precision: str):
-    cfg = config_from_dict({**trainer_cfg, "train": {**trainer_cfg["train"], "precision": precision}})
+    cfg = config_from_dict(
+        {**trainer_cfg, "train": {**trainer_cfg["train"], "precision": precision}}
+    )
     trainer = Trainer(cfg)
 
     def step(batch: Batch) -> None:
@@ -155,17 +219,19 @@ def ablation(trainer_cfg, what: str):
     return step
 
 
-def interleaved_windows(contenders: dict, batches: list[Batch], warmup: int, window: int = 10
-                        ) -> dict[str, list[float]]:
-    """Target tokens/s of each contender over the same windows of `window` batches, the contenders taking
-    turns window by window: a slow spell on the shared machine then hits all of them, not one."""
+def interleaved_windows(
+    contenders: dict, batches: list[Batch], warmup: int, window: int = 10
+) -> dict[str, list[float]]:
+    """Target tokens/s of each contender over the same windows of `window` batches, the contenders
+    taking turns window by window: a slow spell on the shared machine then hits all of them, not
+    one."""
     for step in contenders.values():
         for b in batches[:warmup]:
             step(b)
     speeds: dict[str, list[float]] = {name: [] for name in contenders}
     timed = batches[warmup:]
     for i in range(0, len(timed) - window + 1, window):
-        chunk = timed[i:i + window]
+        chunk = timed[i : i + window]
         tokens = sum(b.n_tgt_tokens for b in chunk)
         for name, step in contenders.items():
             t0 = time.perf_counter()
@@ -185,7 +251,7 @@ def time_windows(step, batches: list[Batch], warmup: int, window: int = 10) -> l
     speeds = []
     timed = batches[warmup:]
     for i in range(0, len(timed) - window + 1, window):
-        chunk = timed[i:i + window]
+        chunk = timed[i : i + window]
         t0 = time.perf_counter()
         for b in chunk:
             step(b)
@@ -218,8 +284,9 @@ def peers_ready() -> bool:
 
 def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
     """Beam-4 decoding of test_2016_flickr by every engine and precision (bench_decode.py) and by
-    fairseq-generate, interleaved `rounds` times, same 64-sentence batches, 2 threads; medians. Ours decodes the
-    model `make bench-quality` trained for `minutes` (else the recipe's run), fairseq its budget model."""
+    fairseq-generate, interleaved `rounds` times, same 64-sentence batches, 2 threads; medians. Ours
+    decodes the model `make bench-quality` trained for `minutes` (else the recipe's run), fairseq
+    its budget model."""
     from bench_decode import decode_engines
 
     ours = ROOT / "runs" / f"budget_{minutes}min"
@@ -227,16 +294,36 @@ def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
         ours = ROOT / "runs" / "multi30k_en_de"
     if not (ours / "checkpoints" / "best.pt").exists():
         return None
-    fs_ckpt = PEERS_DIR / "runs" / f"fairseq_budget_{minutes}min" / "checkpoints" / "checkpoint_last.pt"
-    fairseq = (lambda: run_peer("decode_speed.sh", "fairseq", str(fs_ckpt), "64")) if fs_ckpt.exists() else None
+    fs_ckpt = (
+        PEERS_DIR / "runs" / f"fairseq_budget_{minutes}min" / "checkpoints" / "checkpoint_last.pt"
+    )
+    fairseq = (
+        (lambda: run_peer("decode_speed.sh", "fairseq", str(fs_ckpt), "64"))
+        if fs_ckpt.exists()
+        else None
+    )
     if fairseq is None:
-        log(f"no fairseq model at {fs_ckpt} (make bench-quality trains it): decoding without fairseq-generate")
+        log(
+            f"no fairseq model at {fs_ckpt} (make bench-quality trains it): decoding without "
+            "fairseq-generate"
+        )
     test = MULTI30K / "test_2016_flickr"
-    d = decode_engines(ours / "checkpoints" / "best.pt", Path(f"{test}.en.gz"), Path(f"{test}.de.gz"), rounds, log,
-                       batch=64, threads=2, fairseq=fairseq)
+    d = decode_engines(
+        ours / "checkpoints" / "best.pt",
+        Path(f"{test}.en.gz"),
+        Path(f"{test}.de.gz"),
+        rounds,
+        log,
+        batch=64,
+        threads=2,
+        fairseq=fairseq,
+    )
     for v in d.values():
-        v["model"] = str(fs_ckpt.relative_to(ROOT)) if v["engine"] == "fairseq-generate" else \
-            str((ours / "checkpoints" / "best.pt").relative_to(ROOT))
+        v["model"] = (
+            str(fs_ckpt.relative_to(ROOT))
+            if v["engine"] == "fairseq-generate"
+            else str((ours / "checkpoints" / "best.pt").relative_to(ROOT))
+        )
     return d
 
 
@@ -258,7 +345,9 @@ def decode_cost_by_length(trainer: Trainer, lengths: list[int], batch: int = 16)
                 logp = model.decode_step(tok, memory, mask, cache)
                 tok = logp.argmax(-1, keepdim=True)
             dt = time.perf_counter() - t0
-            rows.append({"length": n, "ms_per_token": round(1000 * dt / n, 3), "seconds": round(dt, 3)})
+            rows.append(
+                {"length": n, "ms_per_token": round(1000 * dt / n, 3), "seconds": round(dt, 3)}
+            )
     model.train()
     return rows
 
@@ -267,22 +356,37 @@ def decode_cost_by_length(trainer: Trainer, lengths: list[int], batch: int = 16)
 
 
 def fastest_sentence(res: dict) -> str:
-    """Ours at its fastest precision on this CPU against fairseq (which trains in fp32 on a CPU), from the figures."""
+    """Ours at its fastest precision on this CPU against fairseq (which trains in fp32 on a CPU),
+    from the figures."""
     fs = res.get("peers", {}).get("fairseq", {}).get("tok_s")
-    ours = {k: v["tok_s"] for k, v in res["training"].items() if k.startswith("ours_") and "without" not in k}
+    ours = {
+        k: v["tok_s"]
+        for k, v in res["training"].items()
+        if k.startswith("ours_") and "without" not in k
+    }
     if not fs or not ours:
         return ""
     best = max(ours, key=ours.get)
-    return (f"At the precision each toolkit trains fastest in on this CPU: ours {best.removeprefix('ours_')} "
-            f"{ours[best]:,.0f} target tok/s, fairseq fp32 {fs:,.0f}: {ours[best] / fs:.2f}× fairseq.")
+    return (
+        "At the precision each toolkit trains fastest in on this CPU: ours "
+        f"{best.removeprefix('ours_')} "
+        f"{ours[best]:,.0f} target tok/s, fairseq fp32 {fs:,.0f}: {ours[best] / fs:.2f}× fairseq."
+    )
 
 
 def ceiling_sentence(res: dict) -> str:
-    """How the two matmul ceilings compare on this CPU, and what runs its bf16 products, from the run's figures."""
+    """How the two matmul ceilings compare on this CPU, and what runs its bf16 products, from the
+    run's figures."""
     peak, unit = res["matmul_gflops"], res.get("cpu_bf16")
-    what = {"AMX": "its AMX tiles", "AVX512-BF16": "AVX512-BF16, no AMX", "none": "no bf16 matrix instructions"}
-    return (f"On this CPU ({what.get(unit, 'bf16 support not recorded')}) the bf16 ceiling is "
-            f"{peak['bf16'] / peak['fp32']:.1f}× the fp32 one, so the table gives MFU against both.")
+    what = {
+        "AMX": "its AMX tiles",
+        "AVX512-BF16": "AVX512-BF16, no AMX",
+        "none": "no bf16 matrix instructions",
+    }
+    return (
+        f"On this CPU ({what.get(unit, 'bf16 support not recorded')}) the bf16 ceiling is "
+        f"{peak['bf16'] / peak['fp32']:.1f}× the fp32 one, so the table gives MFU against both."
+    )
 
 
 def write_report(res: dict, path: Path) -> None:
@@ -291,49 +395,74 @@ def write_report(res: dict, path: Path) -> None:
     lines = [
         "## Speed",
         "",
-        f"Written by `make bench` (`scripts/bench.py`) on {res['date']}: {res['machine']}, torch {res['torch']}, "
-        f"{res['threads']} threads. Figures drift between runs on these shared machines: compare the ratios, "
+        f"Written by `make bench` (`scripts/bench.py`) on {res['date']}: {res['machine']}, torch "
+        f"{res['torch']}, "
+        f"{res['threads']} threads. Figures drift between runs on these shared machines: compare "
+        "the ratios, "
         "which come from one run with every contender on the same batches.",
         "",
         "### Training throughput (Multi30k En→De, the peers' model)",
         "",
-        f"Model: 3+3 layers, d_model 256, 4 heads, FFN 1024, pre-norm, tied joint 8k SentencePiece vocabulary, "
-        f"dropout 0.1 (residual, attention, activation). Batches: ~4,096 tokens (sentences × longest side), "
-        f"length-bucketed; padding {res['padding']['src']:.1%} of source and {res['padding']['tgt']:.1%} of target "
-        f"positions. {res['steps']} timed steps after {res['warmup']} warm-up in each of {res['rounds']} rounds; "
-        "ours and the reference take turns every 10 steps on the same batches, and the figure is the median "
+        "Model: 3+3 layers, d_model 256, 4 heads, FFN 1024, pre-norm, tied joint 8k SentencePiece "
+        "vocabulary, "
+        "dropout 0.1 (residual, attention, activation). Batches: ~4,096 tokens (sentences × "
+        "longest side), "
+        f"length-bucketed; padding {res['padding']['src']:.1%} of source and "
+        f"{res['padding']['tgt']:.1%} of target "
+        f"positions. {res['steps']} timed steps after {res['warmup']} warm-up in each of "
+        f"{res['rounds']} rounds; "
+        "ours and the reference take turns every 10 steps on the same batches, and the figure is "
+        "the median "
         "10-step window. The peers run once a round, after ours.",
         "",
-        "| contender | target tok/s | × plain nn.Transformer fp32 | × fairseq | × JoeyNMT | model GFLOP/s | MFU vs bf16 ceiling | vs fp32 ceiling |",
+        "| contender | target tok/s | × plain nn.Transformer fp32 | × fairseq | × JoeyNMT | model "
+        "GFLOP/s | MFU vs bf16 ceiling | vs fp32 ceiling |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     ref = t.get("reference_fp32", {}).get("tok_s")
     fs = res.get("peers", {}).get("fairseq", {}).get("tok_s")
     jy = res.get("peers", {}).get("joey", {}).get("tok_s")
-    rows = [(k, v) for k, v in t.items()] + [(f"peer_{k}", v) for k, v in res.get("peers", {}).items()]
+    rows = [(k, v) for k, v in t.items()] + [
+        (f"peer_{k}", v) for k, v in res.get("peers", {}).items()
+    ]
     for name, v in rows:
         tok = v.get("tok_s")
         if tok is None:
             continue
         gf = tok * res["flops_per_tgt_token"] / 1e9
-        lines.append(f"| {name} | {tok:,.0f} | {_ratio(tok, ref)} | {_ratio(tok, fs)} | {_ratio(tok, jy)} | "
-                     f"{gf:,.0f} | {gf / peak['bf16']:.0%} | {gf / peak['fp32']:.0%} |")
+        lines.append(
+            f"| {name} | {tok:,.0f} | {_ratio(tok, ref)} | {_ratio(tok, fs)} | {_ratio(tok, jy)} | "
+            f"{gf:,.0f} | {gf / peak['bf16']:.0%} | {gf / peak['fp32']:.0%} |"
+        )
     lines += [
         "",
-        f"Matmul ceiling measured in the same run (torch.mm, max over the model's shapes): fp32 {peak['fp32']:,.0f}, "
-        f"bf16 {peak['bf16']:,.0f} GFLOP/s. FLOPs: {res['flops_per_tgt_token'] / 1e6:.1f} M per target token, "
-        "counted on real tokens (2 per multiply-add of each weight matrix a token meets, plus attention "
+        "Matmul ceiling measured in the same run (torch.mm, max over the model's shapes): fp32 "
+        f"{peak['fp32']:,.0f}, "
+        f"bf16 {peak['bf16']:,.0f} GFLOP/s. FLOPs: {res['flops_per_tgt_token'] / 1e6:.1f} M per "
+        "target token, "
+        "counted on real tokens (2 per multiply-add of each weight matrix a token meets, plus "
+        "attention "
         "scores and sums, the causal half for decoder self-attention; training = 3 × forward; "
-        "`Transformer.train_flops`). " + ceiling_sentence(res) + " Peers: the kit's `train_throughput.sh` (their "
+        "`Transformer.train_flops`). "
+        + ceiling_sentence(res)
+        + " Peers: the kit's `train_throughput.sh` (their "
         "own batches of the same size and data), median of the rounds: "
-        + "; ".join(f"{p} {', '.join(f'{x:,.0f}' for x in v.get('runs', [v['tok_s']]))}"
-                    for p, v in res.get("peers", {}).items()) + "." if res.get("peers") else "",
+        + "; ".join(
+            f"{p} {', '.join(f'{x:,.0f}' for x in v.get('runs', [v['tok_s']]))}"
+            for p, v in res.get("peers", {}).items()
+        )
+        + "."
+        if res.get("peers")
+        else "",
         "",
         fastest_sentence(res),
         "",
-        "Ratios window by window (the same batches, run one after the other), median over the windows: "
-        + ", ".join(f"{k} {v:.2f}×" for k, v in res.get("window_ratios", {}).items()) + "."
-        if res.get("window_ratios") else "",
+        "Ratios window by window (the same batches, run one after the other), median over the "
+        "windows: "
+        + ", ".join(f"{k} {v:.2f}×" for k, v in res.get("window_ratios", {}).items())
+        + "."
+        if res.get("window_ratios")
+        else "",
         "",
         f"Peak RSS of the bench process: {res['peak_rss_mb']:,.0f} MiB.",
         "",
@@ -362,14 +491,17 @@ def write_report(res: dict, path: Path) -> None:
 
 
 def decode_scaling_sentence(rows: list[dict]) -> str:
-    """What the decode-scaling figures say, computed from them: the step cost at the longest output over the
-    shortest, flat only when within 1.5x (a KV cache attends over cached keys instead of re-running the prefix,
-    so the step cost grows only with the attention over the longer cache)."""
+    """What the decode-scaling figures say, computed from them: the step cost at the longest output
+    over the shortest, flat only when within 1.5x (a KV cache attends over cached keys instead of
+    re-running the prefix, so the step cost grows only with the attention over the longer cache)."""
     first, last = rows[0], rows[-1]
     ratio = last["ms_per_token"] / first["ms_per_token"]
     verdict = "about flat" if ratio <= 1.5 else "growing with the output"
-    return (f"A decoding step at {last['length']} output tokens costs {ratio:.2f}× one at {first['length']} "
-            f"({last['length'] / first['length']:.0f}× the length): {verdict}.")
+    return (
+        f"A decoding step at {last['length']} output tokens costs {ratio:.2f}× one at "
+        f"{first['length']} "
+        f"({last['length'] / first['length']:.0f}× the length): {verdict}."
+    )
 
 
 def decoding_table(res: dict) -> list[str]:
@@ -379,31 +511,53 @@ def decoding_table(res: dict) -> list[str]:
     d = res["decoding"]
     fs, ct2 = d.get("fairseq", {}).get("sent_s"), d.get("ctranslate2 int8", {}).get("sent_s")
     rounds = max(len(v["runs"]) for v in d.values())
-    lines = ["### Beam-4 decoding of test_2016_flickr (1,000 sentences), every engine and precision", "",
-             f"Median of {rounds} interleaved rounds{' on ' + res['decoding_date'] if res.get('decoding_date') else ''}"
-             f" on {res.get('decoding_cpu', 'this CPU')}: every contender decodes the same batches (the "
-             "sources sorted by length, 64 sentences a batch, as fairseq-generate's --batch-size 64), 2 threads, "
-             "beam 4, at most 200 output tokens, model loading excluded; each run is its own process (peak RSS its "
-             "own). Length penalty 1.0 by each toolkit's formula: GNMT ((5 + |Y|) / 6)^α for ours and for "
-             "CTranslate2 through tmt (which re-ranks CTranslate2's finished hypotheses with it), |Y|^α for fairseq.",
-             "", "| contender | engine | precision | sentences/s | runs | × fairseq | × CTranslate2 int8 | peak RSS MB | "
-             "BLEU | model | signature |", "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = [
+        "### Beam-4 decoding of test_2016_flickr (1,000 sentences), every engine and precision",
+        "",
+        f"Median of {rounds} interleaved "
+        f"rounds{' on ' + res['decoding_date'] if res.get('decoding_date') else ''}"
+        f" on {res.get('decoding_cpu', 'this CPU')}: every contender decodes the same batches (the "
+        "sources sorted by length, 64 sentences a batch, as fairseq-generate's --batch-size 64), 2 "
+        "threads, "
+        "beam 4, at most 200 output tokens, model loading excluded; each run is its own process "
+        "(peak RSS its "
+        "own). Length penalty 1.0 by each toolkit's formula: GNMT ((5 + |Y|) / 6)^α for ours and "
+        "for "
+        "CTranslate2 through tmt (which re-ranks CTranslate2's finished hypotheses with it), |Y|^α "
+        "for fairseq.",
+        "",
+        "| contender | engine | precision | sentences/s | runs | × fairseq | × CTranslate2 int8 | "
+        "peak RSS MB | "
+        "BLEU | model | signature |",
+        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
     stale = False
     for name, v in d.items():
-        # Rows our engines measured before issue 22 carry the bench process's peak (ru_maxrss of an exec'd child
-        # inherits its parent's), not their own: not shown. fairseq's comes from the peers kit's own measurement.
+        # Rows our engines measured before issue 22 carry the bench process's peak (ru_maxrss of an
+        # exec'd child inherits its parent's), not their own: not shown. fairseq's comes from the
+        # peers kit's own measurement.
         own = v.get("rss_of") == "self" or v.get("engine") == "fairseq-generate"
         stale |= not own
         rss = v.get("peak_rss_mb", "") if own else "–*"
-        lines.append(f"| {name} | {v.get('engine', '')} | {v.get('precision', '')} | {v['sent_s']:.1f} | "
-                     f"{', '.join(f'{x:.1f}' for x in v['runs'])} | {_ratio(v['sent_s'], fs)} | {_ratio(v['sent_s'], ct2)} | "
-                     f"{rss} | {v.get('bleu', '')} | `{v.get('model', '')}` | `{v.get('signature', '')}` |")
+        lines.append(
+            f"| {name} | {v.get('engine', '')} | {v.get('precision', '')} | {v['sent_s']:.1f} | "
+            f"{', '.join(f'{x:.1f}' for x in v['runs'])} | {_ratio(v['sent_s'], fs)} | "
+            f"{_ratio(v['sent_s'], ct2)} | "
+            f"{rss} | {v.get('bleu', '')} | `{v.get('model', '')}` | `{v.get('signature', '')}` |"
+        )
     if stale:
-        lines += ["", "\\* Peak RSS not shown: these rows were measured before each contender reported its own peak "
-                      "(the figure then was the bench process's); the next `make bench` measures it."]
+        lines += [
+            "",
+            "\\* Peak RSS not shown: these rows were measured before each contender reported its "
+            "own peak "
+            "(the figure then was the bench process's); the next `make bench` measures it.",
+        ]
     if fs is None:
-        lines += ["", "fairseq-generate did not run: no fairseq model of the same budget was there "
-                      "(`make bench-quality` trains one)."]
+        lines += [
+            "",
+            "fairseq-generate did not run: no fairseq model of the same budget was there "
+            "(`make bench-quality` trains one).",
+        ]
     return lines + [""] + [f"- {c}" for c in conclusions(d)] + [""]
 
 
@@ -415,20 +569,35 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every contender")
-    ap.add_argument("--steps", type=int, default=30, help="timed training steps per contender and round")
+    ap.add_argument(
+        "--steps", type=int, default=30, help="timed training steps per contender and round"
+    )
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
-    ap.add_argument("--peer-updates", type=int, default=60, help="updates for each peer's throughput run")
+    ap.add_argument(
+        "--peer-updates", type=int, default=60, help="updates for each peer's throughput run"
+    )
     ap.add_argument("--no-peers", action="store_true", help="skip fairseq and JoeyNMT")
-    ap.add_argument("--decode-minutes", type=int, default=20,
-                    help="compare decoding on the models that make bench-quality trained for this many minutes")
+    ap.add_argument(
+        "--decode-minutes",
+        type=int,
+        default=20,
+        help="compare decoding on the models that make bench-quality trained for this many minutes",
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 10 steps, no peers")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--json", default=str(ROOT / "bench.json"))
-    ap.add_argument("--report-only", action="store_true", help="rewrite BENCHMARKS.md from an existing --json")
-    ap.add_argument("--decode-only", action="store_true",
-                    help="re-run only the decoding comparison, updating an existing --json and BENCHMARKS.md")
+    ap.add_argument(
+        "--report-only", action="store_true", help="rewrite BENCHMARKS.md from an existing --json"
+    )
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="re-run only the decoding comparison, updating an existing --json and BENCHMARKS.md",
+    )
     args = ap.parse_args()
     if args.report_only:
         write_report(json.loads(Path(args.json).read_text()), Path(args.out))
@@ -436,7 +605,10 @@ def main() -> int:
     if args.decode_only:  # re-measure the decoding comparison only, keeping the rest of --json
         res = json.loads(Path(args.json).read_text())
         res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
-        res["decoding_minutes"], res["decoding_date"] = args.decode_minutes, time.strftime("%Y-%m-%d %H:%M")
+        res["decoding_minutes"], res["decoding_date"] = (
+            args.decode_minutes,
+            time.strftime("%Y-%m-%d %H:%M"),
+        )
         res["decoding_cpu"] = cpu_model()
         Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
         write_report(res, Path(args.out))
@@ -449,10 +621,18 @@ def main() -> int:
         return 0
 
     cpu = cpu_model()
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "cpu_bf16": cpu_bf16(),
-                 "machine": f"{cpu}, {platform.machine()} {os.cpu_count()} CPUs",
-                 "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
-                 "steps": args.steps, "warmup": args.warmup, "notes": []}
+    res: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu,
+        "cpu_bf16": cpu_bf16(),
+        "machine": f"{cpu}, {platform.machine()} {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "notes": [],
+    }
     log("matmul ceiling")
     res["matmul_gflops"] = matmul_peak(0.5 if args.quick else 1.5)
 
@@ -465,18 +645,26 @@ def main() -> int:
     batches = [collate(trainer.data.train, b) for b in trainer.batches.epoch(1)[:need]]
     real_s = sum(b.n_src_tokens for b in batches)
     real_t = sum(b.n_tgt_tokens for b in batches)
-    res["padding"] = {"src": 1 - real_s / sum(b.src.numel() for b in batches),
-                      "tgt": 1 - real_t / sum(b.tgt_out.numel() for b in batches)}
+    res["padding"] = {
+        "src": 1 - real_s / sum(b.src.numel() for b in batches),
+        "tgt": 1 - real_t / sum(b.tgt_out.numel() for b in batches),
+    }
     flops = sum(trainer.model.train_flops(b.src, b.tgt_out) for b in batches)
     res["flops_per_tgt_token"] = flops / real_t
-    contenders = {"ours_fp32": step_fp32, "ours_bf16": step_bf16, "ours_bf16-output": step_bf16_output,
-                  "reference_fp32": reference_step_fn(vocab, False), "reference_bf16": reference_step_fn(vocab, True)}
+    contenders = {
+        "ours_fp32": step_fp32,
+        "ours_bf16": step_bf16,
+        "ours_bf16-output": step_bf16_output,
+        "reference_fp32": reference_step_fn(vocab, False),
+        "reference_bf16": reference_step_fn(vocab, True),
+    }
     if not args.quick:  # what each optimisation gives: ours in bf16 with it undone
         contenders["ours_bf16_without_fast_dropout"] = ablation(BENCH_CONFIG, "torch_dropout")
     peers = [] if args.no_peers or not peers_ready() else ["fairseq", "joey"]
     windows: dict[str, list[float]] = {k: [] for k in contenders}
     peer_runs: dict[str, list[dict]] = {p: [] for p in peers}
-    for r in range(args.rounds):  # ours and the reference window by window, then each peer, every round
+    # ours and the reference window by window, then each peer, every round
+    for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}: {', '.join(contenders)}, window by window")
         for name, v in interleaved_windows(contenders, batches, args.warmup).items():
             windows[name] += v
@@ -484,27 +672,52 @@ def main() -> int:
             out = run_peer("train_throughput.sh", peer, str(args.peer_updates))
             if out:
                 peer_runs[peer].append(out)
-    res["training"] = {k: {"tok_s": statistics.median(v), "windows": [round(x) for x in v]}
-                       for k, v in windows.items()}
-    # Ratios window by window (the same batches at the same moment), medians: steadier than ratios of medians.
-    res["window_ratios"] = {f"{a}/{b}": statistics.median(x / y for x, y in zip(windows[a], windows[b]))
-                            for a, b in (("ours_bf16", "reference_fp32"), ("ours_bf16", "reference_bf16"),
-                                         ("ours_bf16", "ours_fp32"), ("ours_bf16-output", "ours_fp32"))}
+    res["training"] = {
+        k: {"tok_s": statistics.median(v), "windows": [round(x) for x in v]}
+        for k, v in windows.items()
+    }
+    # Ratios window by window (the same batches at the same moment), medians: steadier than ratios
+    # of medians.
+    res["window_ratios"] = {
+        f"{a}/{b}": statistics.median(x / y for x, y in zip(windows[a], windows[b]))
+        for a, b in (
+            ("ours_bf16", "reference_fp32"),
+            ("ours_bf16", "reference_bf16"),
+            ("ours_bf16", "ours_fp32"),
+            ("ours_bf16-output", "ours_fp32"),
+        )
+    }
     if peers:
-        res["peers"] = {p: {"tok_s": statistics.median(float(o["tgt_tok_per_s"]) for o in runs),
-                            "runs": [float(o["tgt_tok_per_s"]) for o in runs],
-                            "peak_rss_mb": runs[-1].get("peak_rss_mb")} for p, runs in peer_runs.items() if runs}
+        res["peers"] = {
+            p: {
+                "tok_s": statistics.median(float(o["tgt_tok_per_s"]) for o in runs),
+                "runs": [float(o["tgt_tok_per_s"]) for o in runs],
+                "peak_rss_mb": runs[-1].get("peak_rss_mb"),
+            }
+            for p, runs in peer_runs.items()
+            if runs
+        }
 
     log("tokens/s against batch size")
     res["batch_scaling"] = []
     tr_idx = trainer.data.train_idx
     for mt in (1024, 2048, 4096, 8192, 16384):
-        order = make_batches(trainer.data.train.src_lens[tr_idx], trainer.data.train.tgt_lens[tr_idx], mt,
-                             seed=42, epoch=1)
+        order = make_batches(
+            trainer.data.train.src_lens[tr_idx],
+            trainer.data.train.tgt_lens[tr_idx],
+            mt,
+            seed=42,
+            epoch=1,
+        )
         n = max(3, min(12, int(12 * 4096 / mt)))  # about the same number of tokens at every size
-        bs = [collate(trainer.data.train, tr_idx[b]) for b in order[:n + 2]]
-        res["batch_scaling"].append({"max_tokens": mt, "tok_s": time_windows(step_bf16, bs, 2, window=n)[0],
-                                     "sentences": statistics.mean(b.src.size(0) for b in bs)})
+        bs = [collate(trainer.data.train, tr_idx[b]) for b in order[: n + 2]]
+        res["batch_scaling"].append(
+            {
+                "max_tokens": mt,
+                "tok_s": time_windows(step_bf16, bs, 2, window=n)[0],
+                "sentences": statistics.mean(b.src.size(0) for b in bs),
+            }
+        )
     log("decoding cost against length")
     res["decode_scaling"] = decode_cost_by_length(trainer, [10, 25, 50, 100, 200])
 
@@ -514,10 +727,14 @@ def main() -> int:
             res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
             res["decoding_minutes"], res["decoding_cpu"] = args.decode_minutes, cpu_model()
             if res["decoding"] is None:
-                res["notes"].append(f"decoding not compared: run `make bench-quality` first (it trains ours and "
-                                    f"fairseq for {args.decode_minutes} minutes each)")
+                res["notes"].append(
+                    f"decoding not compared: run `make bench-quality` first (it trains ours and "
+                    f"fairseq for {args.decode_minutes} minutes each)"
+                )
         else:
-            res["notes"].append("peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)")
+            res["notes"].append(
+                "peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)"
+            )
     res["peak_rss_mb"] = peak_rss_mb()
     Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
     write_report(res, Path(args.out))

@@ -1,11 +1,13 @@
-"""The README's first command, timed: `make demo` in a fresh clone of this repository's HEAD (a new .venv, the
-pip cache as this machine has it), and what it printed: test BLEU and the five sample translations.
+"""The README's first command, timed: `make demo` in a fresh clone of this repository's HEAD (a new
+.venv, the pip cache as this machine has it), and what it printed: test BLEU and the five sample
+translations.
 
-A sample counts as complete when it has as many words as its reference in configs/demo_samples.de (written by
-hand from the demo grammar): a dropped or an added word changes the count. With --avx2 the run is told to use
-AVX2 kernels only (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS), which approximates an
-AVX2-only CPU such as an AMD EPYC without AVX-512, where bf16 is emulated. Writes bench_demo.json and its
-section of BENCHMARKS.md, and prints whether the targets hold (BLEU >= 90, <= 5 minutes, 5 of 5 complete).
+A sample counts as complete when it has as many words as its reference in configs/demo_samples.de
+(written by hand from the demo grammar): a dropped or an added word changes the count. With --avx2
+the run is told to use AVX2 kernels only (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS), which approximates an AVX2-only CPU such as an AMD EPYC without AVX-512,
+where bf16 is emulated. Writes bench_demo.json and its section of BENCHMARKS.md, and prints whether
+the targets hold (BLEU >= 90, <= 5 minutes, 5 of 5 complete).
 
 usage: python scripts/bench_demo.py [--avx2] [--json bench_demo.json] [--out BENCHMARKS.md]
 """
@@ -34,32 +36,27 @@ TARGETS = {"bleu": 90.0, "seconds": 300.0, "complete": 5}
 
 
 def run_demo(avx2: bool) -> tuple[float, str, int]:
-    """`make demo` in a fresh clone: wall-clock seconds, everything it printed, and its exit status."""
+    """`make demo` in a fresh clone: wall-clock seconds, everything it printed, and its exit
+    status."""
     env = {**os.environ, **(AVX2_ONLY if avx2 else {})}
     with tempfile.TemporaryDirectory(prefix="tmt-demo-") as tmp:
         clone = Path(tmp) / "transformer-mt"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
         start = time.perf_counter()
-        proc = subprocess.run(
-            ["make", "demo"], cwd=clone, env=env, capture_output=True, text=True
-        )
+        proc = subprocess.run(["make", "demo"], cwd=clone, env=env, capture_output=True, text=True)
         return time.perf_counter() - start, proc.stdout + proc.stderr, proc.returncode
 
 
 def parse_output(text: str) -> dict:
-    """sacreBLEU and its signature, the samples (the lines `make demo` prints after "  -> "), the precision
-    the run trained in and the updates it made."""
+    """sacreBLEU and its signature, the samples (the lines `make demo` prints after "  -> "), the
+    precision the run trained in and the updates it made."""
     bleu = re.search(r"^BLEU\|(\S+) = ([\d.]+)", text, re.M)
     trained = re.search(r"trained (\d+) steps in ([\d.]+) min", text)
     precision = re.search(r"precision auto: .*?training in (\S+)", text)
     return {
         "bleu": float(bleu.group(2)) if bleu else None,
         "signature": f"BLEU|{bleu.group(1)}" if bleu else None,
-        "samples": [
-            line[len("  -> ") :]
-            for line in text.splitlines()
-            if line.startswith("  -> ")
-        ],
+        "samples": [line[len("  -> ") :] for line in text.splitlines() if line.startswith("  -> ")],
         "updates": int(trained.group(1)) if trained else None,
         "train_minutes": float(trained.group(2)) if trained else None,
         "precision_line": precision.group(0) if precision else None,
@@ -84,8 +81,7 @@ def verdict(res: dict) -> dict[str, bool]:
     return {
         f"test BLEU >= {TARGETS['bleu']:g}": res["bleu"] is not None
         and res["bleu"] >= TARGETS["bleu"],
-        f"make demo <= {TARGETS['seconds'] / 60:g} minutes": res["seconds"]
-        <= TARGETS["seconds"],
+        f"make demo <= {TARGETS['seconds'] / 60:g} minutes": res["seconds"] <= TARGETS["seconds"],
         f"{TARGETS['complete']} of 5 samples complete": complete >= TARGETS["complete"]
         and len(res["samples"]) == 5,
     }
@@ -101,9 +97,7 @@ def write_section(res: dict, path: Path) -> None:
         f"{t}: {'met' if ok else '**not met**'}" for t, ok in res["targets_met"].items()
     )
     kernels = (
-        "AVX2 kernels only ("
-        + ", ".join(f"{k}={v}" for k, v in AVX2_ONLY.items())
-        + ")"
+        "AVX2 kernels only (" + ", ".join(f"{k}={v}" for k, v in AVX2_ONLY.items()) + ")"
         if res["avx2"]
         else "the CPU's own kernels"
     )
@@ -141,9 +135,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = parser.parse_args()
     seconds, text, status = run_demo(args.avx2)
-    references = (
-        (ROOT / "configs" / "demo_samples.de").read_text(encoding="utf-8").splitlines()
-    )
+    references = (ROOT / "configs" / "demo_samples.de").read_text(encoding="utf-8").splitlines()
     parsed = parse_output(text)
     res = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -157,12 +149,8 @@ def main() -> int:
         "samples": judge_samples(parsed["samples"], references),
     }
     res["targets_met"] = verdict(res)
-    json_path = Path(
-        args.json or ROOT / f"bench_demo{'_avx2' if args.avx2 else ''}.json"
-    )
-    json_path.write_text(
-        json.dumps(res, indent=2, ensure_ascii=False), encoding="utf-8"
-    )
+    json_path = Path(args.json or ROOT / f"bench_demo{'_avx2' if args.avx2 else ''}.json")
+    json_path.write_text(json.dumps(res, indent=2, ensure_ascii=False), encoding="utf-8")
     write_section(res, Path(args.out))
     if status != 0:
         print(text[-3000:], file=sys.stderr)

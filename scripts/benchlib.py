@@ -13,15 +13,14 @@ HEADER = "# Benchmarks\n\nEvery figure here is written by `make bench` / `make b
 
 
 def replace_section(path: Path, name: str, text: str) -> None:
-    """Put `text` between <!-- name:start --> and <!-- name:end --> in `path`, keeping other sections."""
+    """Put `text` between <!-- name:start --> and <!-- name:end --> in `path`, keeping other
+    sections."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     block = f"{start}\n{text.strip()}\n{end}\n"
     doc = path.read_text(encoding="utf-8") if path.exists() else HEADER
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.S)
     doc = (
-        pattern.sub(lambda _: block, doc)
-        if pattern.search(doc)
-        else doc.rstrip() + "\n\n" + block
+        pattern.sub(lambda _: block, doc) if pattern.search(doc) else doc.rstrip() + "\n\n" + block
     )
     path.write_text(doc, encoding="utf-8")
 
@@ -37,15 +36,10 @@ def reported_flags() -> list[str]:
 
 
 def cpu_bf16() -> str:
-    """What runs bf16 matrix products on this CPU, from /proc/cpuinfo's flags: "AMX", "AVX512-BF16" or "none"."""
+    """What runs bf16 matrix products on this CPU, from /proc/cpuinfo's flags: "AMX", "AVX512-BF16"
+    or "none"."""
     flags = cpu_flags()
-    return (
-        "AMX"
-        if "amx_bf16" in flags
-        else "AVX512-BF16"
-        if "avx512_bf16" in flags
-        else "none"
-    )
+    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "none"
 
 
 def cpu_model() -> str:

@@ -1,14 +1,16 @@
-"""CTranslate2 against our engine, output for output (issue 22): the share of identical translations.
+"""CTranslate2 against our engine, output for output (issue 22): the share of identical
+translations.
 
-Both engines decode the same sources at fp32 with the same beam, length penalty and length budget: the
-run's own decode settings, and `--max-len 0 5` (every output cut at 4 pieces and EOS, so the budget decides
-nearly every sentence); on the test file and on long inputs (consecutive test sentences joined in pairs).
-Each engine scores its own output by our ranking (log P / GNMT penalty, P from the same weights), so a
-differing line says which engine found the better translation (a search difference) or whether the two tie
-within float error (a rounding difference).
+Both engines decode the same sources at fp32 with the same beam, length penalty and length budget:
+the run's own decode settings, and `--max-len 0 5` (every output cut at 4 pieces and EOS, so the
+budget decides nearly every sentence); on the test file and on long inputs (consecutive test
+sentences joined in pairs). Each engine scores its own output by our ranking (log P / GNMT penalty,
+P from the same weights), so a differing line says which engine found the better translation (a
+search difference) or whether the two tie within float error (a rounding difference).
 Writes bench_ct2_agreement.json and its BENCHMARKS.md section. Times nothing: any machine will do.
 
-usage: python scripts/ct2_agreement.py [--checkpoint runs/multi30k_en_de] [--src FILE] [--threads 2] [--limit N]
+usage: python scripts/ct2_agreement.py [--checkpoint runs/multi30k_en_de] [--src FILE] [--threads 2]
+[--limit N]
 """
 
 from __future__ import annotations
@@ -25,17 +27,20 @@ from benchlib import cpu_model, replace_section
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST = ROOT.parent / "shared" / "data" / "multi30k" / "test_2016_flickr.en.gz"
-TIE = 1e-4  # score differences below this are float rounding between the engines, not a search difference
+# score differences below this are float rounding between the engines, not a search difference
+TIE = 1e-4
 
 
 def long_inputs(lines: Sequence[str]) -> list[str]:
-    """Consecutive sentences joined in pairs: inputs twice as long as the test set's, and their outputs."""
+    """Consecutive sentences joined in pairs: inputs twice as long as the test set's, and their
+    outputs."""
     return [f"{a.strip()} {b.strip()}" for a, b in zip(lines[0::2], lines[1::2])]
 
 
 def settings(decode_max_len: tuple[float, int]) -> list[dict]:
     """Every (inputs, length budget) pair the report compares, the run's own budget first."""
-    own = f"the run's budget {decode_max_len[0]:g} × source + {decode_max_len[1]}"  # no "|": a table cell
+    # no "|": a table cell
+    own = f"the run's budget {decode_max_len[0]:g} × source + {decode_max_len[1]}"
     return [
         {"inputs": inputs, "max_len": max_len, "name": f"{inputs}, {label}"}
         for max_len, label in ((decode_max_len, own), ((0.0, 5), "--max-len 0 5"))
@@ -54,11 +59,7 @@ def agreement(
     ours: Sequence[Sequence[str]], theirs: Sequence[Sequence[str]]
 ) -> tuple[int, list[int]]:
     """The number of identical outputs (piece for piece) and the indices of the differing ones."""
-    differing = [
-        i
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
-        if list(a) != list(b)
-    ]
+    differing = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if list(a) != list(b)]
     return len(ours) - len(differing), differing
 
 
@@ -72,8 +73,9 @@ def compare(
     max_len: tuple[float, int],
     examples: int = 5,
 ) -> dict:
-    """Decode `sources` with both engines at fp32; the share identical, and the differing lines classified by
-    each engine's score of its own output (log P / lp, the same formula, P from the same weights)."""
+    """Decode `sources` with both engines at fp32; the share identical, and the differing lines
+    classified by each engine's score of its own output (log P / lp, the same formula, P from the
+    same weights)."""
     from transformer_mt.inference import load_translator
 
     opts = {
@@ -94,8 +96,7 @@ def compare(
         "identical": same,
         "share": same / max(1, len(sources)),
         "differing": {
-            kind: kinds.count(kind)
-            for kind in ("tie", "ours better", "ctranslate2 better")
+            kind: kinds.count(kind) for kind in ("tie", "ours better", "ctranslate2 better")
         },
         "examples": [
             {
@@ -134,11 +135,7 @@ def run(
     beam, alpha = beam or cfg.decode.beam, cfg.decode.alpha if alpha is None else alpha
     lines = read_lines(src)[:limit]
     inputs = {"test": lines, "long": long_inputs(lines)}
-    shown = (
-        path.resolve().relative_to(ROOT)
-        if path.resolve().is_relative_to(ROOT)
-        else path
-    )
+    shown = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
     res = {
         "checkpoint": str(shown),
         "step": ckpt.get("step"),
@@ -164,7 +161,8 @@ def run(
             )
             res["settings"].append({**s, **r})
             log(
-                f"[ct2_agreement] {s['name']}: {r['share']:.2%} identical, differing {r['differing']}"
+                f"[ct2_agreement] {s['name']}: {r['share']:.2%} identical, differing "
+                f"{r['differing']}"
             )
     return res
 
@@ -176,13 +174,19 @@ def report(res: dict) -> str:
         "",
         (
             f"Written by `python scripts/ct2_agreement.py` on {res['date']} ({res['cpu']}): "
-            f"`{res['checkpoint']}` (step {res.get('step')}) decoded by both engines at fp32, beam {res['beam']}, "
+            f"`{res['checkpoint']}` (step {res.get('step')}) decoded by both engines at fp32, beam "
+            f"{res['beam']}, "
             f"α {res['alpha']:g}, on "
-            f"`{Path(res['source']).name}` and on long inputs (its sentences joined in pairs); identical means "
-            "piece for piece. Each engine scores its own output as our search ranks (log P / GNMT penalty): a "
-            f"tie (within {TIE:g}) is float rounding between the engines; otherwise the engine with the better "
-            "score found a translation the other's search did not keep. How the CTranslate2 engine follows "
-            "our search (per-sentence budgets, our last step at the budget, no renormalisation over PAD and "
+            f"`{Path(res['source']).name}` and on long inputs (its sentences joined in pairs); "
+            "identical means "
+            "piece for piece. Each engine scores its own output as our search ranks (log P / GNMT "
+            "penalty): a "
+            f"tie (within {TIE:g}) is float rounding between the engines; otherwise the engine "
+            "with the better "
+            "score found a translation the other's search did not keep. How the CTranslate2 engine "
+            "follows "
+            "our search (per-sentence budgets, our last step at the budget, no renormalisation "
+            "over PAD and "
             "BOS) and what can still differ: `transformer_mt/ct2.py`."
         ),
         "",
@@ -192,7 +196,8 @@ def report(res: dict) -> str:
     for s in res["settings"]:
         d = s["differing"]
         lines.append(
-            f"| {s['name']} | {s['sentences']:,} | {s['identical']:,} | {s['share']:.2%} | {d['tie']} | "
+            f"| {s['name']} | {s['sentences']:,} | {s['identical']:,} | {s['share']:.2%} | "
+            f"{d['tie']} | "
             f"{d['ours better']} | {d['ctranslate2 better']} |"
         )
     examples = [(s["name"], e) for s in res["settings"] for e in s["examples"][:2]]
@@ -226,9 +231,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, help="only the first N sources (a smoke run)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each engine")
     ap.add_argument("--beam", type=int, help="beam size (default: the run's)")
-    ap.add_argument(
-        "--alpha", type=float, help="GNMT length penalty (default: the run's)"
-    )
+    ap.add_argument("--alpha", type=float, help="GNMT length penalty (default: the run's)")
     ap.add_argument("--json", default=str(ROOT / "bench_ct2_agreement.json"))
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument(

@@ -1,18 +1,21 @@
-"""`make bench`, soak row: `tmt serve` on the loopback under minutes of mixed traffic, bounded in time and in
-count: one-sentence and long requests, n-best lists with attention, /score, malformed and oversized bodies,
-clients that leave mid-request, a client that sends its body slowly, and one client that keeps sending the most
-expensive request the server's limits allow (from /info, priced with the server's own pricing).
+"""`make bench`, soak row: `tmt serve` on the loopback under minutes of mixed traffic, bounded in
+time and in count: one-sentence and long requests, n-best lists with attention, /score, malformed
+and oversized bodies, clients that leave mid-request, a client that sends its body slowly, and one
+client that keeps sending the most expensive request the server's limits allow (from /info, priced
+with the server's own pricing).
 
-It records the responses by status, the p50/p95 latency of the one-sentence requests (all sent while the
-expensive client runs), the worker's health (/health every second: deaths, and errors it survived), and the
-server's resident memory after the warm-up and at the end (VmRSS in /proc/PID/status); writes bench_soak.json
-and its section of BENCHMARKS.md from that JSON; and prints whether the targets are met: no 500, no worker death,
-RSS growth <= 10%, p95 of one-sentence requests <= 2 s.
+It records the responses by status, the p50/p95 latency of the one-sentence requests (all sent while
+the expensive client runs), the worker's health (/health every second: deaths, and errors it
+survived), and the server's resident memory after the warm-up and at the end (VmRSS in
+/proc/PID/status); writes bench_soak.json and its section of BENCHMARKS.md from that JSON; and
+prints whether the targets are met: no 500, no worker death, RSS growth <= 10%, p95 of one-sentence
+requests <= 2 s.
 
-The model is the Multi30k recipe's (runs/multi30k_en_de) unless --checkpoint names another; sentences are the
-Multi30k test set's when ../shared/data has it, else the run's own test split.
+The model is the Multi30k recipe's (runs/multi30k_en_de) unless --checkpoint names another;
+sentences are the Multi30k test set's when ../shared/data has it, else the run's own test split.
 
-usage: python scripts/soak_serve.py [--checkpoint RUN] [--minutes 5] [--json bench_soak.json] [--out BENCHMARKS.md]
+usage: python scripts/soak_serve.py [--checkpoint RUN] [--minutes 5] [--json bench_soak.json] [--out
+BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from benchlib import cpu_model, replace_section, reported_flags
+
 from transformer_mt.checkpoint import resolve_checkpoint, run_dir_of
 from transformer_mt.config import load_config
 from transformer_mt.data import read_lines
@@ -52,7 +56,8 @@ MAX_REQUESTS = 20_000  # per client: the soak is bounded in count as well as in 
 
 @dataclass
 class Tally:
-    """What the clients saw: responses by client and status, and the latencies of one-sentence requests."""
+    """What the clients saw: responses by client and status, and the latencies of one-sentence
+    requests."""
 
     statuses: dict[str, collections.Counter] = field(
         default_factory=lambda: collections.defaultdict(collections.Counter)
@@ -75,9 +80,7 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(
-            Path(os.environ.get("TMPDIR", "/tmp")) / f"soak_serve_{self.port}.log", "w"
-        )
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"soak_serve_{self.port}.log", "w")
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -135,9 +138,7 @@ class Server:
 
 def post(url: str, body: bytes | dict, timeout: float) -> int:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             r.read()
@@ -157,8 +158,8 @@ def raw_request(
     read: bool = True,
     timeout: float = 120,
 ) -> Any:
-    """POST /translate over a plain socket: the first `send` bytes of the body in `pieces` (a pause after each),
-    then the status line's code if `read`, else nothing (the client leaves)."""
+    """POST /translate over a plain socket: the first `send` bytes of the body in `pieces` (a pause
+    after each), then the status line's code if `read`, else nothing (the client leaves)."""
     head = (
         f"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -182,9 +183,7 @@ def sentences(run: Path) -> list[str]:
     if MULTI30K.is_file():
         return [s for s in read_lines(MULTI30K) if s.strip()]
     cfg = load_config(run / "config.yaml")
-    return [
-        s for s in read_lines(Path(f"{cfg.data.test}.{cfg.data.src_lang}")) if s.strip()
-    ]
+    return [s for s in read_lines(Path(f"{cfg.data.test}.{cfg.data.src_lang}")) if s.strip()]
 
 
 def most_expensive(
@@ -193,8 +192,8 @@ def most_expensive(
     options: dict,
     limits: dict,
 ) -> dict:
-    """A request of these options as close to the limits as the pool allows: lines as long as one call may be
-    (batch_work), as many as the request may hold (max_lines, max_work)."""
+    """A request of these options as close to the limits as the pool allows: lines as long as one
+    call may be (batch_work), as many as the request may hold (max_lines, max_work)."""
 
     def alone(line: str) -> int:
         work, steps = price([line], options)
@@ -204,9 +203,7 @@ def most_expensive(
     ordered = sorted(pool, key=len, reverse=True)
     for i in range(len(ordered)):
         line = ordered[i]
-        for extra in ordered[
-            i + 1 : i + 40
-        ]:  # lengthen it while one call still holds it
+        for extra in ordered[i + 1 : i + 40]:  # lengthen it while one call still holds it
             if alone(f"{line} {extra}") > limits["batch_work"]:
                 break
             line = f"{line} {extra}"
@@ -308,9 +305,7 @@ class Soak:
             "attention": rng.random() < 0.5,
             "alignment": rng.random() < 0.5,
         }
-        self.tally.add(
-            "n-best", post(self.server.url + "/translate", body, self.timeout)
-        )
+        self.tally.add("n-best", post(self.server.url + "/translate", body, self.timeout))
 
     def score(self, rng: random.Random) -> None:
         pairs = rng.sample(self.pool, rng.randint(1, 8))
@@ -368,9 +363,7 @@ class Soak:
 
     def most_expensive(self, rng: random.Random) -> None:
         body = self.expensive[rng.randrange(len(self.expensive))]
-        self.tally.add(
-            "most expensive", post(self.server.url + "/translate", body, self.timeout)
-        )
+        self.tally.add("most expensive", post(self.server.url + "/translate", body, self.timeout))
 
     def watch(self) -> None:
         """/health every second: a 503 (or no answer) is the worker (or the server) down."""
@@ -394,7 +387,8 @@ class Soak:
         ]
 
     def warm_up(self) -> None:
-        """Every kind of request once, every expensive shape included: the memory baseline comes after."""
+        """Every kind of request once, every expensive shape included: the memory baseline comes
+        after."""
         for name, send, _ in self.clients()[2:]:
             send(random.Random(0))
         for i in range(1, len(self.expensive)):
@@ -466,7 +460,8 @@ def main() -> int:
         checkpoint = resolve_checkpoint(args.checkpoint)
     except UserError as e:
         sys.exit(
-            f"soak_serve: {e} (the recipe model comes from `make bench-quality`; or pass --checkpoint)"
+            f"soak_serve: {e} (the recipe model comes from `make bench-quality`; or pass "
+            "--checkpoint)"
         )
     run = run_dir_of(checkpoint)
     pool = sentences(run)
@@ -476,9 +471,7 @@ def main() -> int:
     finally:
         if server.proc.poll() is None:
             server.stop()
-    result["model"] = (
-        str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else run.name
-    )
+    result["model"] = str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else run.name
     result["targets_met"] = verdict(result)
     Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
     write_section(result, Path(args.out))
@@ -553,9 +546,7 @@ def soak(server: Server, run: Path, pool: list[str], minutes: float) -> dict:
         },
         "worker": {
             "health_polls": dict(state.health),
-            "deaths": sum(
-                n for k, n in state.health.items() if not k.startswith("200")
-            ),
+            "deaths": sum(n for k, n in state.health.items() if not k.startswith("200")),
             "errors_survived": stats.get("worker_errors"),
             "server_exited": exited,
         },

@@ -1,4 +1,5 @@
-"""Shared test set-up: tokenized-corpus caches go to a temporary folder, not ~/.cache; torch threads are restored."""
+"""Shared test set-up: tokenized-corpus caches go to a temporary folder, not ~/.cache; torch threads
+are restored."""
 
 import os
 
@@ -18,7 +19,8 @@ def _private_corpus_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
-    """Runs with `train.threads: 1` set torch's global thread count; later tests must not inherit it."""
+    """Runs with `train.threads: 1` set torch's global thread count; later tests must not inherit
+    it."""
     import torch
 
     threads = torch.get_num_threads()

@@ -1,5 +1,5 @@
-"""The decoding benchmarks' own logic (issue 22): each contender's peak RSS is its own, and the CTranslate2
-agreement report counts and classifies what it is given."""
+"""The decoding benchmarks' own logic (issue 22): each contender's peak RSS is its own, and the
+CTranslate2 agreement report counts and classifies what it is given."""
 
 import os
 import subprocess
@@ -16,9 +16,11 @@ MB = 1 << 20
 
 
 def child_peak(allocate_mb: int) -> float:
-    """A fresh Python process that touches `allocate_mb` MiB, then reports bench_decode.peak_rss_mb()."""
+    """A fresh Python process that touches `allocate_mb` MiB, then reports
+    bench_decode.peak_rss_mb()."""
     code = (
-        f"import bench_decode\nx = bytearray({allocate_mb * MB})\nx[::4096] = b'1' * len(range(0, len(x), 4096))\n"
+        f"import bench_decode\nx = bytearray({allocate_mb * MB})\nx[::4096] = b'1' * len(range(0, "
+        "len(x), 4096))\n"
         "print(bench_decode.peak_rss_mb())"
     )
     env = {**os.environ, "PYTHONPATH": str(SCRIPTS)}
@@ -33,17 +35,13 @@ def child_peak(allocate_mb: int) -> float:
 
 
 def test_each_child_reports_its_own_peak_not_its_parents():
-    """This process holds 600 MiB while two children allocate 40 and 300 MiB. ru_maxrss (what the table
-    used) reports the parent's 600+ for both children on Linux; each child's own peak is ~40 + the
-    interpreter and ~300 + the interpreter."""
+    """This process holds 600 MiB while two children allocate 40 and 300 MiB. ru_maxrss (what the
+    table used) reports the parent's 600+ for both children on Linux; each child's own peak is ~40 +
+    the interpreter and ~300 + the interpreter."""
     ballast = bytearray(600 * MB)
-    ballast[::4096] = b"1" * len(
-        range(0, len(ballast), 4096)
-    )  # resident, not just reserved
+    ballast[::4096] = b"1" * len(range(0, len(ballast), 4096))  # resident, not just reserved
     small, large = child_peak(40), child_peak(300)
-    assert small < 200, (
-        small
-    )  # the interpreter is ~10-30 MiB; the parent's 600 MiB must not show
+    assert small < 200, small  # the interpreter is ~10-30 MiB; the parent's 600 MiB must not show
     assert 300 <= large < 500, large
     assert large - small > 200
     assert len(ballast) == 600 * MB  # kept alive until the children ran
@@ -78,9 +76,7 @@ def test_settings_cover_the_runs_budget_and_the_short_one_on_both_inputs():
         ("test", (0.0, 5)),
         ("long", (0.0, 5)),
     ]
-    assert not any(
-        "|" in s["name"] for s in settings
-    )  # a name is a cell of the report's table
+    assert not any("|" in s["name"] for s in settings)  # a name is a cell of the report's table
 
 
 def test_the_report_is_written_from_the_json_alone():
@@ -117,7 +113,8 @@ def test_the_report_is_written_from_the_json_alone():
 
 
 def test_the_decoding_table_hides_a_peak_that_is_not_the_contenders_own():
-    """Issue 22, item 19: rows measured before each child reported its own VmHWM carry the bench's peak for all."""
+    """Issue 22, item 19: rows measured before each child reported its own VmHWM carry the bench's
+    peak for all."""
     import bench
 
     row = {
@@ -129,9 +126,7 @@ def test_the_decoding_table_hides_a_peak_that_is_not_the_contenders_own():
     }
     old = "\n".join(bench.decoding_table({"decoding": {"ours": row}}))
     new = "\n".join(
-        bench.decoding_table(
-            {"decoding": {"ours": {**row, "peak_rss_mb": 452, "rss_of": "self"}}}
-        )
+        bench.decoding_table({"decoding": {"ours": {**row, "peak_rss_mb": 452, "rss_of": "self"}}})
     )
     assert "10152" not in old and "–*" in old and "Peak RSS not shown" in old
     assert "| 452 |" in new and "Peak RSS not shown" not in new

@@ -1,5 +1,5 @@
-"""The benchmark scripts' own logic: the checkpoints bench_quality.py keeps on the way, and sentences the
-reports compute from their figures."""
+"""The benchmark scripts' own logic: the checkpoints bench_quality.py keeps on the way, and
+sentences the reports compute from their figures."""
 
 import sys
 from pathlib import Path
@@ -32,8 +32,15 @@ def test_each_mark_keeps_the_newest_step_checkpoint_once(tmp_path):
     snaps.take(40.5)
     assert (tmp_path / "checkpoints" / "at_40min.pt").read_text() == "weights of step 1250"
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [  # no temp file left behind
-        "at_20min.pt", "at_40min.pt", "step_1000.pt", "step_1250.pt", "step_250.pt", "step_500.pt"]
+    # no temp file left behind
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "at_20min.pt",
+        "at_40min.pt",
+        "step_1000.pt",
+        "step_1250.pt",
+        "step_250.pt",
+        "step_500.pt",
+    ]
 
 
 def test_the_watcher_thread_takes_a_mark_while_the_run_trains(tmp_path):
@@ -47,21 +54,45 @@ def test_the_watcher_thread_takes_a_mark_while_the_run_trains(tmp_path):
 
 
 def test_the_report_gives_test_bleu_at_each_mark_and_at_the_end():
-    recipe = {"beam": 5, "bleu": 41.0, "tokenized_bleu": 41.6, "chrf": 65.0, "ter": 44.0, "train_minutes": 58.0,
-              "steps": 10000, "step": 10000, "epochs": 41, "tgt_tok_per_s": 5600, "sentences_per_second": 110,
-              "evaluated": "best.pt", "bleu_signature": "s", "chrf_signature": "c", "ter_signature": "t",
-              "tokenized_bleu_description": "d",
-              "test_bleu_by_minute": {"20": {"step": 3100, "bleu": 30.5, "tokenized_bleu": 31.25},
-                                      "40": {"step": 6600, "bleu": 37.0, "tokenized_bleu": 37.5}}}
-    text = bench_quality.report({"recipe": recipe, "recipe_config": "c.yaml", "date": "2026-11-23", "cpu": "X"})
-    assert ("20 min (step 3,100): 30.50 / 31.25; 40 min (step 6,600): 37.00 / 37.50; "
-            "the end (best.pt, step 10,000): 41.00 / 41.60.") in text
+    recipe = {
+        "beam": 5,
+        "bleu": 41.0,
+        "tokenized_bleu": 41.6,
+        "chrf": 65.0,
+        "ter": 44.0,
+        "train_minutes": 58.0,
+        "steps": 10000,
+        "step": 10000,
+        "epochs": 41,
+        "tgt_tok_per_s": 5600,
+        "sentences_per_second": 110,
+        "evaluated": "best.pt",
+        "bleu_signature": "s",
+        "chrf_signature": "c",
+        "ter_signature": "t",
+        "tokenized_bleu_description": "d",
+        "test_bleu_by_minute": {
+            "20": {"step": 3100, "bleu": 30.5, "tokenized_bleu": 31.25},
+            "40": {"step": 6600, "bleu": 37.0, "tokenized_bleu": 37.5},
+        },
+    }
+    text = bench_quality.report(
+        {"recipe": recipe, "recipe_config": "c.yaml", "date": "2026-11-23", "cpu": "X"}
+    )
+    assert (
+        "20 min (step 3,100): 30.50 / 31.25; 40 min (step 6,600): 37.00 / 37.50; "
+        "the end (best.pt, step 10,000): 41.00 / 41.60."
+    ) in text
 
 
 def test_the_ceiling_sentence_is_computed_from_the_run_and_names_what_runs_bf16():
-    amd = bench.ceiling_sentence({"matmul_gflops": {"fp32": 124.0, "bf16": 360.0}, "cpu_bf16": "AVX512-BF16"})
+    amd = bench.ceiling_sentence(
+        {"matmul_gflops": {"fp32": 124.0, "bf16": 360.0}, "cpu_bf16": "AVX512-BF16"}
+    )
     assert "AVX512-BF16, no AMX" in amd and "2.9× the fp32 one" in amd  # 360 / 124 = 2.90
-    intel = bench.ceiling_sentence({"matmul_gflops": {"fp32": 279.0, "bf16": 2271.0}, "cpu_bf16": "AMX"})
+    intel = bench.ceiling_sentence(
+        {"matmul_gflops": {"fp32": 279.0, "bf16": 2271.0}, "cpu_bf16": "AMX"}
+    )
     assert "AMX tiles" in intel and "8.1× the fp32 one" in intel  # 2271 / 279 = 8.14
     assert "not recorded" in bench.ceiling_sentence({"matmul_gflops": {"fp32": 1.0, "bf16": 1.0}})
 

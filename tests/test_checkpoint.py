@@ -1,5 +1,5 @@
-"""Checkpoint files: one serialisation per save, the other names linked (or copied) atomically; resumes refused
-from weights-only files."""
+"""Checkpoint files: one serialisation per save, the other names linked (or copied) atomically;
+resumes refused from weights-only files."""
 
 import os
 
@@ -22,16 +22,15 @@ def training_state(step: int, value: float) -> dict:
 
 def counting_torch_save(monkeypatch) -> list:
     calls, save = [], torch.save
-    monkeypatch.setattr(
-        torch, "save", lambda *a, **kw: calls.append(1) or save(*a, **kw)
-    )
+    monkeypatch.setattr(torch, "save", lambda *a, **kw: calls.append(1) or save(*a, **kw))
     return calls
 
 
 @pytest.mark.parametrize("links", [True, False])
 def test_one_save_serialises_the_checkpoint_once(tmp_path, monkeypatch, links):
-    """Issue 22, item 9: last.pt, best.pt and step_N.pt were each re-serialised; now torch.save runs once and the
-    others are hard links to that file, or copies where the file system has no hard links."""
+    """Issue 22, item 9: last.pt, best.pt and step_N.pt were each re-serialised; now torch.save runs
+    once and the others are hard links to that file, or copies where the file system has no hard
+    links."""
     if not links:
 
         def no_links(src, dst):
@@ -48,21 +47,16 @@ def test_one_save_serialises_the_checkpoint_once(tmp_path, monkeypatch, links):
         "step_3.pt",
     ]  # no temporary files
     last = (ckpt_dir / "last.pt").read_bytes()
-    assert (
-        (ckpt_dir / "best.pt").read_bytes()
-        == last
-        == (ckpt_dir / "step_3.pt").read_bytes()
-    )
+    assert (ckpt_dir / "best.pt").read_bytes() == last == (ckpt_dir / "step_3.pt").read_bytes()
     for name in ("best.pt", "step_3.pt"):
         ckpt = load_checkpoint(ckpt_dir / name)
-        assert ckpt["step"] == 3 and torch.equal(
-            ckpt["model"]["w"], torch.full((4,), 1.5)
-        )
+        assert ckpt["step"] == 3 and torch.equal(ckpt["model"]["w"], torch.full((4,), 1.5))
     assert (os.stat(ckpt_dir / "best.pt").st_nlink == 3) == links
 
 
 def test_a_later_save_leaves_the_linked_best_as_it_was(tmp_path):
-    """Each save renames a new file over last.pt: best.pt, linked to the old one, keeps the old contents."""
+    """Each save renames a new file over last.pt: best.pt, linked to the old one, keeps the old
+    contents."""
     save_rotating(tmp_path, training_state(2, 1.0), best=True, keep_last=1)
     save_rotating(tmp_path, training_state(4, 2.0), best=False, keep_last=1)
     ckpt_dir = tmp_path / "checkpoints"
@@ -71,9 +65,7 @@ def test_a_later_save_leaves_the_linked_best_as_it_was(tmp_path):
     assert sorted(p.name for p in ckpt_dir.glob("step_*.pt")) == [
         "step_4.pt"
     ]  # step_2.pt pruned, best.pt kept
-    assert torch.equal(
-        load_checkpoint(ckpt_dir / "best.pt")["model"]["w"], torch.full((4,), 1.0)
-    )
+    assert torch.equal(load_checkpoint(ckpt_dir / "best.pt")["model"]["w"], torch.full((4,), 1.0))
 
 
 def test_resuming_from_a_weights_only_checkpoint_names_the_file_to_resume_from(
@@ -86,6 +78,6 @@ def test_resuming_from_a_weights_only_checkpoint_names_the_file_to_resume_from(
     )
     with pytest.raises(CheckpointError) as e:
         checkpoint.load_training_checkpoint(run / "checkpoints" / "averaged.pt")
-    assert "weights only" in str(e.value) and str(
-        run.resolve() / "checkpoints" / "last.pt"
-    ) in str(e.value)
+    assert "weights only" in str(e.value) and str(run.resolve() / "checkpoints" / "last.pt") in str(
+        e.value
+    )

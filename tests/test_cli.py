@@ -1,4 +1,5 @@
-"""End to end through `tmt` (cli.main): train a tiny model once, then translate and evaluate with it."""
+"""End to end through `tmt` (cli.main): train a tiny model once, then translate and evaluate with
+it."""
 
 from __future__ import annotations
 
@@ -23,8 +24,26 @@ from transformer_mt.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TMT = ROOT / ".venv" / "bin" / "tmt"
-WORDS = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "kilo", "lima", "mike",
-         "nova", "oscar", "papa", "romeo", "sierra", "tango"]
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "echo",
+    "fox",
+    "golf",
+    "hotel",
+    "india",
+    "kilo",
+    "lima",
+    "mike",
+    "nova",
+    "oscar",
+    "papa",
+    "romeo",
+    "sierra",
+    "tango",
+]
 N_TEST = 17
 
 
@@ -38,7 +57,8 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 
 
 def lines_of(path: Path) -> list[str]:
-    """Lines of a file written one per line; split on \\n only (a translation may hold other separators)."""
+    """Lines of a file written one per line; split on \\n only (a translation may hold other
+    separators)."""
     text = path.read_text(encoding="utf-8")
     assert text == "" or text.endswith("\n")
     return text.split("\n")[:-1] if text else []
@@ -46,13 +66,14 @@ def lines_of(path: Path) -> list[str]:
 
 def write_config(folder: Path, corpus: Path, output_dir: Path, extra: str = "") -> Path:
     path = folder / "tiny.yaml"
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         data:
           src_lang: en
           tgt_lang: de
-          train: {corpus / 'train'}
-          valid: {corpus / 'valid'}
-          test: {corpus / 'test'}
+          train: {corpus / "train"}
+          valid: {corpus / "valid"}
+          test: {corpus / "test"}
         tokenizer:
           vocab_size: 60
         model:
@@ -74,7 +95,10 @@ def write_config(folder: Path, corpus: Path, output_dir: Path, extra: str = "") 
           beam: 2
           max_len_b: 5
         output_dir: {output_dir}
-        """) + extra, encoding="utf-8")
+        """)
+        + extra,
+        encoding="utf-8",
+    )
     return path
 
 
@@ -131,8 +155,21 @@ def test_translate_file_keeps_line_count_and_empty_lines(trained, tmp_path):
     src = ["alpha beta gamma", "", "delta echo", "fox golf hotel india", "", "kilo", ""]
     f = write_lines(tmp_path / "in.txt", src)
     g = tmp_path / "out.txt"
-    rc = main(["translate", "--checkpoint", str(trained["run_dir"]), "--input", str(f), "--output", str(g),
-               "--beam", "2", "--device", "cpu"])
+    rc = main(
+        [
+            "translate",
+            "--checkpoint",
+            str(trained["run_dir"]),
+            "--input",
+            str(f),
+            "--output",
+            str(g),
+            "--beam",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     assert rc == 0
     out = lines_of(g)
     assert len(out) == len(src)
@@ -159,7 +196,9 @@ def test_translate_stdin_to_stdout_leaves_streams_open(trained, monkeypatch):
     assert len(stdout.getvalue().split("\n")[:-1]) == 3
 
 
-def test_translate_without_checkpoint_uses_newest_run_in_cwd(trained, tmp_path, monkeypatch, capsys):
+def test_translate_without_checkpoint_uses_newest_run_in_cwd(
+    trained, tmp_path, monkeypatch, capsys
+):
     runs = tmp_path / "runs"
     # An older run whose checkpoint is unusable: picking it would fail.
     old = runs / "older" / "checkpoints"
@@ -206,8 +245,20 @@ def test_evaluate_src_ref_files(trained, tmp_path, capsys):
     hyp = tmp_path / "hyps" / "mine.hyp"
     hyp.parent.mkdir()
     capsys.readouterr()
-    rc = main(["evaluate", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r), "--json",
-               "--output", str(hyp)])
+    rc = main(
+        [
+            "evaluate",
+            "-c",
+            str(trained["run_dir"]),
+            "--src",
+            str(s),
+            "--ref",
+            str(r),
+            "--json",
+            "--output",
+            str(hyp),
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert Path(result["hypotheses_path"]).resolve() == hyp.resolve()
@@ -240,11 +291,19 @@ def _error_cases():
         return ["train", str(t["config"]), "--set", "model.heads=3"], "model.d_model"
 
     def vocab_smaller_than_alphabet(t, tmp):
-        cfg = write_config(tmp, t["corpus"], tmp / "run_small_vocab", "tokenizer:\n  vocab_size: 16\n")
+        cfg = write_config(
+            tmp, t["corpus"], tmp / "run_small_vocab", "tokenizer:\n  vocab_size: 16\n"
+        )
         return ["-q", "train", str(cfg)], "tokenizer.vocab_size"
 
     def missing_checkpoint(t, tmp):
-        return ["translate", "--checkpoint", str(tmp / "no-such-run"), "--input", str(t["config"])], "no-such-run"
+        return [
+            "translate",
+            "--checkpoint",
+            str(tmp / "no-such-run"),
+            "--input",
+            str(t["config"]),
+        ], "no-such-run"
 
     def evaluate_missing_checkpoint(t, tmp):
         return ["evaluate", "--checkpoint", str(tmp / "gone.pt")], "gone.pt"
@@ -260,7 +319,14 @@ def _error_cases():
         def case(t, tmp):
             path = tmp / "notes.txt"
             path.write_text(text)
-            return ["translate", "--checkpoint", str(path), "--input", str(t["config"])], "notes.txt"
+            return [
+                "translate",
+                "--checkpoint",
+                str(path),
+                "--input",
+                str(t["config"]),
+            ], "notes.txt"
+
         return case
 
     def empty_checkpoint(t, tmp):
@@ -280,7 +346,13 @@ def _error_cases():
         return ["evaluate", "-c", str(t["run_dir"]), "--src", str(s), "--ref", str(r)], "a.de"
 
     def missing_input(t, tmp):
-        return ["translate", "-c", str(t["run_dir"]), "--input", str(tmp / "absent.txt")], "absent.txt"
+        return [
+            "translate",
+            "-c",
+            str(t["run_dir"]),
+            "--input",
+            str(tmp / "absent.txt"),
+        ], "absent.txt"
 
     return [
         pytest.param(missing_config, id="missing-config"),
@@ -341,7 +413,9 @@ def test_help_in_process(sub, capsys):
 def test_console_script_help():
     assert TMT.is_file(), f"{TMT} is missing: run `make install`"
     for sub, flags in HELP_FLAGS.items():
-        proc = subprocess.run([str(TMT), *sub, "--help"], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [str(TMT), *sub, "--help"], capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stderr
         for flag in flags:
             assert flag in proc.stdout, (sub, flag)
@@ -362,7 +436,8 @@ def test_bad_beam_is_a_usage_error(trained, capsys):
 
 
 def test_max_len_reaches_the_decoder_and_is_checked(trained, capsys):
-    # (the cap itself is tested on the search functions: test_search.test_outputs_respect_the_length_budget)
+    # (the cap itself is tested on the search functions:
+    # test_search.test_outputs_respect_the_length_budget)
     assert main(["evaluate", "-c", str(trained["run_dir"]), "--json", "--max-len", "0", "200"]) == 0
     assert json.loads(capsys.readouterr().out)["max_len"] == [0.0, 200]  # the run's own is 1.5, 5
     assert main(["evaluate", "-c", str(trained["run_dir"]), "--max-len", "0", "2.5"]) == 2
@@ -371,7 +446,10 @@ def test_max_len_reaches_the_decoder_and_is_checked(trained, capsys):
 
 def test_precision_flag_overrides_the_runs(trained, capsys):
     for precision in ("bf16", "fp32"):
-        assert main(["evaluate", "-c", str(trained["run_dir"]), "--json", "--precision", precision]) == 0
+        assert (
+            main(["evaluate", "-c", str(trained["run_dir"]), "--json", "--precision", precision])
+            == 0
+        )
         assert json.loads(capsys.readouterr().out)["precision"] == precision
     with pytest.raises(SystemExit):
         main(["translate", "-c", str(trained["run_dir"]), "--precision", "fp8"])
@@ -394,62 +472,92 @@ def test_average_needs_two_checkpoints(trained, tmp_path, capsys):
     assert "at least 2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32),
-                                              ("fp16", torch.float32)])  # fp16 only on GPUs
+@pytest.mark.parametrize(
+    "precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32), ("fp16", torch.float32)]
+)  # fp16 only on GPUs
 def test_translator_decodes_in_the_runs_precision(trained, precision, dtype):
     from transformer_mt.checkpoint import load_for_inference, resolve_checkpoint
     from transformer_mt.translate import Translator
 
-    model, tokenizer, cfg, _ = load_for_inference(resolve_checkpoint(str(trained["run_dir"])), torch.device("cpu"))
+    model, tokenizer, cfg, _ = load_for_inference(
+        resolve_checkpoint(str(trained["run_dir"])), torch.device("cpu")
+    )
     seen = []
     model.generator.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
-    out = Translator(model, tokenizer, cfg.decode, precision=precision).translate_text(["alpha beta", "gamma"], beam=2)
+    out = Translator(model, tokenizer, cfg.decode, precision=precision).translate_text(
+        ["alpha beta", "gamma"], beam=2
+    )
     assert len(out) == 2 and seen and set(seen) == {dtype}
-    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the caller's model (training's) is untouched
+    # the caller's model (training's) is untouched
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-# --------------------------------------------------------------------------- defects found in review (issue 11)
+# --------------------------------------------------------------------------- defects found in
+# review (issue 11)
 
 
 def test_translate_input_file_keeps_a_lone_carriage_return_inside_its_line(trained, tmp_path):
     """Defect 1: --input was read with universal newlines, so a lone \\r split one line in two."""
     f = tmp_path / "in.txt"
-    f.write_bytes(b"alpha beta\ngamma\rdelta echo\nfox golf\r\n")  # 3 lines: one with a lone \r, one CRLF
+    # 3 lines: one with a lone \r, one CRLF
+    f.write_bytes(b"alpha beta\ngamma\rdelta echo\nfox golf\r\n")
     g = tmp_path / "out.txt"
-    assert main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "-o", str(g), "--beam", "1"]) == 0
+    assert (
+        main(
+            ["translate", "-c", str(trained["run_dir"]), "-i", str(f), "-o", str(g), "--beam", "1"]
+        )
+        == 0
+    )
     assert len(lines_of(g)) == 3
 
 
 def test_translate_at_a_terminal_answers_each_line_before_end_of_input(trained):
-    """Defect 2: translate buffered 2,000 lines, so a person typing saw nothing until Ctrl-D. Through a
-    pseudo-terminal: one line in, its translation out, while stdin is still open."""
+    """Defect 2: translate buffered 2,000 lines, so a person typing saw nothing until Ctrl-D.
+    Through a pseudo-terminal: one line in, its translation out, while stdin is still open."""
     import pty
     import select
 
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "transformer_mt", "translate", "-c", str(trained["run_dir"]),
-                             "--beam", "1", "--device", "cpu"], stdin=slave, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transformer_mt",
+            "translate",
+            "-c",
+            str(trained["run_dir"]),
+            "--beam",
+            "1",
+            "--device",
+            "cpu",
+        ],
+        stdin=slave,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
     os.close(slave)
     try:
         os.write(master, b"alpha beta gamma\n")
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         assert ready, "no translation within 120 s of the line (stdin still open)"
         line = proc.stdout.readline().decode()
-        assert line.endswith("\n") and proc.poll() is None  # answered, and still waiting for more input
+        # answered, and still waiting for more input
+        assert line.endswith("\n") and proc.poll() is None
         os.write(master, b"\x04")  # Ctrl-D: end of input
         proc.wait(timeout=60)
         assert proc.returncode == 0
-        assert "> " in proc.stderr.read().decode()  # the prompt goes to stderr, not among the translations
+        # the prompt goes to stderr, not among the translations
+        assert "> " in proc.stderr.read().decode()
     finally:
         proc.kill()
         os.close(master)
 
 
 def test_average_best_ranks_only_validated_checkpoints(tmp_path, capsys):
-    """Defect 3: save_every checkpoints carried the previous validation's metrics, so `average --best`
-    ranked unvalidated weights by another checkpoint's score. Steps 2, 6, 10 are written between the
-    validations at 4, 8, 12: with the bug the copies of the best score win the ties."""
+    """Defect 3: save_every checkpoints carried the previous validation's metrics, so `average
+    --best` ranked unvalidated weights by another checkpoint's score. Steps 2, 6, 10 are written
+    between the validations at 4, 8, 12: with the bug the copies of the best score win the ties."""
     rng = random.Random(1)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -459,11 +567,33 @@ def test_average_best_ranks_only_validated_checkpoints(tmp_path, capsys):
         write_lines(corpus / f"{split}.de", [s.upper() for s in src])
     run = tmp_path / "run"
     cfg = write_config(tmp_path, corpus, run)
-    assert main(["train", str(cfg), "--set", "train.max_steps=12", "--set", "train.valid_every=4",
-                 "--set", "train.save_every=2", "--set", "train.keep_last=10", "--set", "train.valid_bleu=false"]) == 0
-    ckpts = {int(p.stem.split("_")[1]): torch.load(p, weights_only=True) for p in (run / "checkpoints").glob("step_*.pt")}
+    assert (
+        main(
+            [
+                "train",
+                str(cfg),
+                "--set",
+                "train.max_steps=12",
+                "--set",
+                "train.valid_every=4",
+                "--set",
+                "train.save_every=2",
+                "--set",
+                "train.keep_last=10",
+                "--set",
+                "train.valid_bleu=false",
+            ]
+        )
+        == 0
+    )
+    ckpts = {
+        int(p.stem.split("_")[1]): torch.load(p, weights_only=True)
+        for p in (run / "checkpoints").glob("step_*.pt")
+    }
     assert sorted(ckpts) == [2, 4, 6, 8, 10, 12]
-    assert all(not ckpts[s]["metrics"] for s in (2, 6, 10)) and all(ckpts[s]["metrics"] for s in (4, 8, 12))
+    assert all(not ckpts[s]["metrics"] for s in (2, 6, 10)) and all(
+        ckpts[s]["metrics"] for s in (4, 8, 12)
+    )
     best_two = sorted(sorted((4, 8, 12), key=lambda s: ckpts[s]["metrics"]["loss"])[:2])
     capsys.readouterr()
     assert main(["average", str(run), "--best", "2"]) == 0
@@ -471,7 +601,8 @@ def test_average_best_ranks_only_validated_checkpoints(tmp_path, capsys):
 
 
 def test_max_len_longer_than_max_positions_is_a_config_error(trained, tmp_path, capsys):
-    """Defect 4: data.max_len + 1 > model.max_positions crashed mid-training in the positional encoding."""
+    """Defect 4: data.max_len + 1 > model.max_positions crashed mid-training in the positional
+    encoding."""
     cfg = write_config(tmp_path, trained["corpus"], tmp_path / "run", extra="")
     assert main(["train", str(cfg), "--set", "data.max_len=128"]) == 2
     err = capsys.readouterr().err
@@ -490,19 +621,24 @@ def test_load_translator_keeps_one_output_per_input_even_for_none(trained):
     assert translator.step == torch.load(best, weights_only=True)["step"] in (15, 30)
 
 
-# --------------------------------------------------------------------------- n-best, formats, score, plots (issue 12)
+# --------------------------------------------------------------------------- n-best, formats,
+# score, plots (issue 12)
 
 
 def _translate(trained, tmp_path, lines: list[str], *flags: str) -> list[str]:
     f = write_lines(tmp_path / "in.txt", lines)
     g = tmp_path / "out.txt"
-    assert main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "-o", str(g), *flags]) == 0
+    assert (
+        main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "-o", str(g), *flags]) == 0
+    )
     return lines_of(g)
 
 
 def test_jsonl_keeps_one_object_per_input_line_with_n_hypotheses(trained, tmp_path):
     src = ["alpha beta gamma", "", "delta echo fox golf"]
-    out = _translate(trained, tmp_path, src, "--beam", "4", "--nbest", "3", "--format", "jsonl", "--alignment")
+    out = _translate(
+        trained, tmp_path, src, "--beam", "4", "--nbest", "3", "--format", "jsonl", "--alignment"
+    )
     records = [json.loads(line) for line in out]
     assert [r["source"] for r in records] == src
     for r in records:
@@ -517,14 +653,16 @@ def test_jsonl_keeps_one_object_per_input_line_with_n_hypotheses(trained, tmp_pa
             assert len(h["token_logprobs"]) == len(h["tokens"]) + 1
             assert h["logprob"] == pytest.approx(sum(h["token_logprobs"]), abs=1e-4)
     text = _translate(trained, tmp_path, src, "--beam", "4")
-    assert [r["hypotheses"][0]["text"] for r in records] == text  # the 1-best is the text format's line
+    # the 1-best is the text format's line
+    assert [r["hypotheses"][0]["text"] for r in records] == text
 
 
 def test_nbest_format_is_moses_with_n_lines_per_input_line(trained, tmp_path):
     src = ["alpha beta", "", "gamma delta echo"]
     out = _translate(trained, tmp_path, src, "--beam", "3", "--nbest", "2", "--format", "nbest")
     fields = [line.split(" ||| ") for line in out]
-    assert [int(f[0]) for f in fields] == [0, 0, 1, 2, 2]  # every input line, the empty one included
+    # every input line, the empty one included
+    assert [int(f[0]) for f in fields] == [0, 0, 1, 2, 2]
     for f in fields:
         assert len(f) == 4 and f[2].startswith("logprob=")
         float(f[2].removeprefix("logprob=")), float(f[3])
@@ -532,17 +670,53 @@ def test_nbest_format_is_moses_with_n_lines_per_input_line(trained, tmp_path):
 
 def test_nbest_larger_than_the_beam_is_a_user_error(trained, tmp_path, capsys):
     f = write_lines(tmp_path / "in.txt", ["alpha"])
-    assert main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "--beam", "2", "--nbest", "3"]) == 2
+    assert (
+        main(
+            [
+                "translate",
+                "-c",
+                str(trained["run_dir"]),
+                "-i",
+                str(f),
+                "--beam",
+                "2",
+                "--nbest",
+                "3",
+            ]
+        )
+        == 2
+    )
     assert "--nbest 3" in capsys.readouterr().err
 
 
 def test_score_agrees_with_what_translate_reports(trained, tmp_path, capsys):
     """tmt score on (source, translate's own output) gives translate's log-probabilities back."""
     src = random_lines(6, random.Random(11))
-    out = [json.loads(line) for line in _translate(trained, tmp_path, src, "--beam", "3", "--format", "jsonl")]
-    s, r = write_lines(tmp_path / "s.en", src), write_lines(tmp_path / "r.de", [o["hypotheses"][0]["text"] for o in out])
+    out = [
+        json.loads(line)
+        for line in _translate(trained, tmp_path, src, "--beam", "3", "--format", "jsonl")
+    ]
+    s, r = (
+        write_lines(tmp_path / "s.en", src),
+        write_lines(tmp_path / "r.de", [o["hypotheses"][0]["text"] for o in out]),
+    )
     capsys.readouterr()
-    assert main(["score", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r), "--format", "jsonl"]) == 0
+    assert (
+        main(
+            [
+                "score",
+                "-c",
+                str(trained["run_dir"]),
+                "--src",
+                str(s),
+                "--ref",
+                str(r),
+                "--format",
+                "jsonl",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     scored = [json.loads(line) for line in captured.out.splitlines()]
     assert [x["target"] for x in scored] == [o["hypotheses"][0]["text"] for o in out]
@@ -552,7 +726,9 @@ def test_score_agrees_with_what_translate_reports(trained, tmp_path, capsys):
     expected_ppl = math.exp(-sum(x["logprob"] for x in scored) / tokens)
     assert f"perplexity {expected_ppl:.4f}" in captured.err
     assert main(["score", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r)]) == 0
-    assert [float(v) for v in capsys.readouterr().out.split()] == pytest.approx([x["logprob"] for x in scored], abs=1e-5)
+    assert [float(v) for v in capsys.readouterr().out.split()] == pytest.approx(
+        [x["logprob"] for x in scored], abs=1e-5
+    )
 
 
 def test_score_with_mismatched_files_says_so(trained, tmp_path, capsys):
@@ -581,7 +757,20 @@ def test_plot_attention_writes_readable_pngs_of_the_expected_size(trained, tmp_p
 def test_plot_attention_without_matplotlib_names_the_extra(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     f = write_lines(tmp_path / "in.txt", ["alpha"])
-    assert main(["translate", "-c", str(trained["run_dir"]), "-i", str(f), "--plot-attention", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "translate",
+                "-c",
+                str(trained["run_dir"]),
+                "-i",
+                str(f),
+                "--plot-attention",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "transformer-mt[plot]" in capsys.readouterr().err
 
 
@@ -589,14 +778,16 @@ def test_sampling_from_the_cli_repeats_for_a_seed(trained, tmp_path):
     src = random_lines(8, random.Random(12))
     one = _translate(trained, tmp_path, src, "--sampling", "topk:0", "--seed", "7")
     assert _translate(trained, tmp_path, src, "--sampling", "topk:0", "--seed", "7") == one
-    assert _translate(trained, tmp_path, src, "--sampling", "topp:0.9", "--temperature", "0") == \
-        _translate(trained, tmp_path, src, "--beam", "1")
+    assert _translate(
+        trained, tmp_path, src, "--sampling", "topp:0.9", "--temperature", "0"
+    ) == _translate(trained, tmp_path, src, "--beam", "1")
 
 
 def test_ensemble_of_the_same_checkpoint_twice_translates_like_it(trained, tmp_path):
     src = random_lines(5, random.Random(13))
     single = _translate(trained, tmp_path, src, "--beam", "3")
-    twice = _translate(trained, tmp_path, src, "--beam", "3", "-c", str(trained["run_dir"]))  # -c twice: an ensemble
+    # -c twice: an ensemble
+    twice = _translate(trained, tmp_path, src, "--beam", "3", "-c", str(trained["run_dir"]))
     assert twice == single
 
 
@@ -605,12 +796,25 @@ def test_ensemble_of_models_with_different_vocabularies_is_refused(trained, tmp_
     corpus.mkdir()
     rng = random.Random(21)
     for split, n in (("train", 200), ("valid", 5), ("test", 3)):
-        src = [" ".join(rng.choice(WORDS[:8]) for _ in range(3)) for _ in range(n)]  # another vocabulary
+        # another vocabulary
+        src = [" ".join(rng.choice(WORDS[:8]) for _ in range(3)) for _ in range(n)]
         write_lines(corpus / f"{split}.en", src)
         write_lines(corpus / f"{split}.de", [x.upper() for x in src])
     other = tmp_path / "other"
-    assert main(["-q", "train", str(write_config(tmp_path, corpus, other)), "--set", "train.max_steps=2",
-                 "--set", "tokenizer.vocab_size=40"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                str(write_config(tmp_path, corpus, other)),
+                "--set",
+                "train.max_steps=2",
+                "--set",
+                "tokenizer.vocab_size=40",
+            ]
+        )
+        == 0
+    )
     f = write_lines(tmp_path / "in.txt", ["alpha"])
     capsys.readouterr()
     assert main(["translate", "-c", str(trained["run_dir"]), "-c", str(other), "-i", str(f)]) == 2
@@ -626,7 +830,8 @@ def test_the_readme_python_example_runs(trained, capsys):
     assert len(out) == 5 and out[2].startswith("[")  # text+scores, pieces, alignment, scores, text
 
 
-# --------------------------------------------------------------------------- evaluation to publish (issue 14)
+# --------------------------------------------------------------------------- evaluation to publish
+# (issue 14)
 
 
 def test_evaluate_compare_prints_and_carries_the_test(trained, tmp_path, capsys):
@@ -637,7 +842,11 @@ def test_evaluate_compare_prints_and_carries_the_test(trained, tmp_path, capsys)
     assert main(["evaluate", "-c", run, "--compare", str(other), "--json", "--confidence"]) == 0
     result = json.loads(capsys.readouterr().out)
     c = result["comparison"]
-    assert c["method"] == "paired bootstrap resampling" and c["samples"] == 1000 and c["seed"] == "12345"
+    assert (
+        c["method"] == "paired bootstrap resampling"
+        and c["samples"] == 1000
+        and c["seed"] == "12345"
+    )
     base, greedy = c["metrics"]["BLEU"]["systems"]
     assert base["system"].endswith("best.pt") and greedy["system"] == str(other)
     assert greedy["delta"] == pytest.approx(greedy["score"] - base["score"], abs=0.01)
@@ -645,21 +854,44 @@ def test_evaluate_compare_prints_and_carries_the_test(trained, tmp_path, capsys)
     assert result["bleu_confidence"]["bootstrap_samples"] == 1000 and "tokenized_bleu" in result
     assert main(["evaluate", "-c", run, "--compare", str(other), "--paired-ar"]) == 0
     out = capsys.readouterr().out
-    assert "paired approximate randomization" in out and "p = " in out and "Δ" in out and "95% CI" in out
+    assert (
+        "paired approximate randomization" in out
+        and "p = " in out
+        and "Δ" in out
+        and "95% CI" in out
+    )
 
 
 def test_evaluate_takes_several_references(trained, tmp_path, capsys):
     corpus = trained["corpus"]
     src, ref = corpus / "test.en", corpus / "test.de"
     noise = write_lines(tmp_path / "noise.de", ["x"] * N_TEST)
-    assert main(["evaluate", "-c", str(trained["run_dir"]), "--src", str(src), "--ref", str(noise), "--ref", str(ref),
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "-c",
+                str(trained["run_dir"]),
+                "--src",
+                str(src),
+                "--ref",
+                str(noise),
+                "--ref",
+                str(ref),
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["references"] == 2 and "nrefs:2" in result["signature"]
 
 
-def test_a_tiny_english_to_japanese_corpus_trains_translates_and_evaluates_without_unk(tmp_path, capsys):
-    """Japanese words made of kanji and kana the tokenizer samples rarely; byte fallback spells those."""
+def test_a_tiny_english_to_japanese_corpus_trains_translates_and_evaluates_without_unk(
+    tmp_path, capsys
+):
+    """Japanese words made of kanji and kana the tokenizer samples rarely; byte fallback spells
+    those."""
     en = "cat dog bird fish red blue big small sees eats".split()
     ja = "猫 犬 鳥 魚 赤い 青い 大きい 小さい 見る 食べる".split()
     rng = random.Random(3)
@@ -670,7 +902,11 @@ def test_a_tiny_english_to_japanese_corpus_trains_translates_and_evaluates_witho
         write_lines(corpus / f"{split}.en", [" ".join(en[i] for i in row) for row in idx])
         write_lines(corpus / f"{split}.ja", ["".join(ja[i] for i in row) + "。" for row in idx])
     cfg = write_config(tmp_path, corpus, tmp_path / "run", extra="")
-    cfg.write_text(cfg.read_text().replace("tgt_lang: de", "tgt_lang: ja").replace("vocab_size: 60", "vocab_size: 400\n  byte_fallback: true"))
+    cfg.write_text(
+        cfg.read_text()
+        .replace("tgt_lang: de", "tgt_lang: ja")
+        .replace("vocab_size: 60", "vocab_size: 400\n  byte_fallback: true")
+    )
     assert main(["-q", "train", str(cfg), "--set", "train.max_steps=60"]) == 0
     saved = load_config(tmp_path / "run" / "config.yaml")
     assert saved.tokenizer.character_coverage == 0.9995 and saved.tokenizer.byte_fallback
@@ -687,69 +923,132 @@ def test_sampling_flags_are_checked(trained, tmp_path, capsys):
     run = str(trained["run_dir"])
     assert main(["translate", "-c", run, "-i", str(f), "--temperature", "0.5"]) == 2
     assert "--sampling" in capsys.readouterr().err
-    assert main(["translate", "-c", run, "-i", str(f), "--sampling", "topk:0", "--temperature", "-1"]) == 2
-    assert main(["translate", "-c", run, "-i", str(f), "--sampling", "topk:0", "--temperature", "1e-40",
-                 "--seed", "1", "-o", str(tmp_path / "o.txt")]) == 0  # tiny T: greedy, not NaN
-    assert lines_of(tmp_path / "o.txt") == _translate(trained, tmp_path, ["alpha", ""], "--beam", "1")
+    assert (
+        main(["translate", "-c", run, "-i", str(f), "--sampling", "topk:0", "--temperature", "-1"])
+        == 2
+    )
+    assert (
+        main(
+            [
+                "translate",
+                "-c",
+                run,
+                "-i",
+                str(f),
+                "--sampling",
+                "topk:0",
+                "--temperature",
+                "1e-40",
+                "--seed",
+                "1",
+                "-o",
+                str(tmp_path / "o.txt"),
+            ]
+        )
+        == 0
+    )  # tiny T: greedy, not NaN
+    assert lines_of(tmp_path / "o.txt") == _translate(
+        trained, tmp_path, ["alpha", ""], "--beam", "1"
+    )
 
 
 def test_plot_attention_skips_empty_lines(trained, tmp_path):
     plots = tmp_path / "p"
     _translate(trained, tmp_path, ["", "alpha beta"], "--plot-attention", str(plots))
-    assert sorted(p.name for p in plots.iterdir()) in (["1.png"], [])  # line 0 is empty: nothing to draw
+    # line 0 is empty: nothing to draw
+    assert sorted(p.name for p in plots.iterdir()) in (["1.png"], [])
 
 
-# --------------------------------------------------------------------------- issue 22: items 13, 14, 15
+# --------------------------------------------------------------------------- issue 22: items 13,
+# 14, 15
 
 
 def _run_with_precision(trained, folder: Path, recorded: str) -> Path:
-    """A copy of the tiny run whose config says precision auto and whose last.pt says it trained in `recorded`."""
+    """A copy of the tiny run whose config says precision auto and whose last.pt says it trained in
+    `recorded`."""
     (folder / "checkpoints").mkdir(parents=True)
     shutil.copy(trained["run_dir"] / "spm.model", folder)
-    ckpt = torch.load(trained["run_dir"] / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    ckpt = torch.load(
+        trained["run_dir"] / "checkpoints" / "last.pt", map_location="cpu", weights_only=True
+    )
     ckpt["config"]["train"]["precision"] = "auto"
     ckpt["train_state"]["precision"] = recorded
     torch.save(ckpt, folder / "checkpoints" / "last.pt")
-    weights_only = {k: ckpt[k] for k in ("model", "config", "tokenizer", "spm", "step")}  # what averaging keeps
+    # what averaging keeps
+    weights_only = {k: ckpt[k] for k in ("model", "config", "tokenizer", "spm", "step")}
     torch.save(weights_only, folder / "checkpoints" / "averaged.pt")
     return folder / "checkpoints"
 
 
 def test_decoding_defaults_to_the_precision_the_run_trained_in(trained, tmp_path, monkeypatch):
-    """Issue 22 item 13: with precision auto the decoder resolved auto anew (fp32 on a CPU) instead of taking
-    what the run trained and validated in (train_state), e.g. bf16-output or bf16 chosen by the CPU probe."""
+    """Issue 22 item 13: with precision auto the decoder resolved auto anew (fp32 on a CPU) instead
+    of taking what the run trained and validated in (train_state), e.g. bf16-output or bf16 chosen
+    by the CPU probe."""
     from transformer_mt import translate
 
     asked = []
     real = translate.inference_model
-    monkeypatch.setattr(translate, "inference_model", lambda model, p, device: asked.append(p) or real(model, p, device))
+    monkeypatch.setattr(
+        translate,
+        "inference_model",
+        lambda model, p, device: asked.append(p) or real(model, p, device),
+    )
     ckpts = _run_with_precision(trained, tmp_path / "out", "bf16-output")
     translate.load_torch_translator(ckpts / "last.pt", device="cpu")
-    translate.load_torch_translator(ckpts / "averaged.pt", device="cpu")  # weights only: the run's last.pt says
-    assert asked == ["bf16-output", "bf16-output"]  # decoded as validation decoded (runtime.inference_model)
+    # weights only: the run's last.pt says
+    translate.load_torch_translator(ckpts / "averaged.pt", device="cpu")
+    # decoded as validation decoded (runtime.inference_model)
+    assert asked == ["bf16-output", "bf16-output"]
 
     ckpts = _run_with_precision(trained, tmp_path / "bf16", "bf16")
-    monkeypatch.setattr(translate, "cpu_has_native_bf16", lambda: True)  # the verdict must not hang on this CPU
+    # the verdict must not hang on this CPU
+    monkeypatch.setattr(translate, "cpu_has_native_bf16", lambda: True)
     for name in ("last.pt", "averaged.pt"):
         tr = translate.load_torch_translator(ckpts / name, device="cpu")
-        assert tr.precision == "bf16" and {p.dtype for p in tr.model.parameters()} == {torch.bfloat16}
-        assert translate.load_torch_translator(ckpts / name, device="cpu", precision="fp32").precision == "fp32"
-    # where bf16 is emulated (an AVX2-only CPU: 10-20x slower), the default falls back to fp32; asked for, bf16 stays
+        assert tr.precision == "bf16" and {p.dtype for p in tr.model.parameters()} == {
+            torch.bfloat16
+        }
+        assert (
+            translate.load_torch_translator(ckpts / name, device="cpu", precision="fp32").precision
+            == "fp32"
+        )
+    # where bf16 is emulated (an AVX2-only CPU: 10-20x slower), the default falls back to fp32;
+    # asked for, bf16 stays
     monkeypatch.setattr(translate, "cpu_has_native_bf16", lambda: False)
     assert translate.load_torch_translator(ckpts / "last.pt", device="cpu").precision == "fp32"
-    assert translate.load_torch_translator(ckpts / "last.pt", device="cpu", precision="bf16").precision == "bf16"
-    alone = tmp_path / "alone"  # a weights-only checkpoint away from its run: the config's auto, resolved here
+    assert (
+        translate.load_torch_translator(ckpts / "last.pt", device="cpu", precision="bf16").precision
+        == "bf16"
+    )
+    # a weights-only checkpoint away from its run: the config's auto, resolved here
+    alone = tmp_path / "alone"
     alone.mkdir()
     shutil.copy(ckpts / "averaged.pt", alone)
     assert translate.load_torch_translator(alone / "averaged.pt", device="cpu").precision == "fp32"
 
 
 def test_invalid_utf8_on_stdin_is_replaced_with_one_warning(trained):
-    """Issue 22 item 14: `printf '\\xff\\xfe bad\\n' | tmt translate` was a TypeError traceback; now stdin is read as
-    --input is: bad bytes replaced, and one warning counting the lines that had any."""
-    proc = subprocess.run([sys.executable, "-m", "transformer_mt", "translate", "-c", str(trained["run_dir"]),
-                           "--beam", "1", "--device", "cpu"], input=b"\xff\xfe bad\nalpha beta\n\xc3 x \xff\n",
-                          capture_output=True, cwd=ROOT, timeout=300)
+    """Issue 22 item 14: `printf '\\xff\\xfe bad\\n' | tmt translate` was a TypeError traceback; now
+    stdin is read as --input is: bad bytes replaced, and one warning counting the lines that had
+    any."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "transformer_mt",
+            "translate",
+            "-c",
+            str(trained["run_dir"]),
+            "--beam",
+            "1",
+            "--device",
+            "cpu",
+        ],
+        input=b"\xff\xfe bad\nalpha beta\n\xc3 x \xff\n",
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     err = proc.stderr.decode()
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert len(proc.stdout.decode().split("\n")[:-1]) == 3
@@ -757,35 +1056,64 @@ def test_invalid_utf8_on_stdin_is_replaced_with_one_warning(trained):
     assert len(warnings) == 1 and "<stdin>: 2 line(s)" in warnings[0], err
 
 
-def test_invalid_utf8_in_every_input_file_is_replaced_with_one_warning_per_file(trained, tmp_path, monkeypatch,
-                                                                                capsys):
-    """The same policy for translate's --input (it replaced silently), for a text stdin that carries undecodable
-    bytes as surrogates (a C locale's: it crashed), and for score's and evaluate's --src/--ref (they stopped)."""
+def test_invalid_utf8_in_every_input_file_is_replaced_with_one_warning_per_file(
+    trained, tmp_path, monkeypatch, capsys
+):
+    """The same policy for translate's --input (it replaced silently), for a text stdin that carries
+    undecodable bytes as surrogates (a C locale's: it crashed), and for score's and evaluate's
+    --src/--ref (they stopped)."""
     run = str(trained["run_dir"])
     bad = tmp_path / "bad.en"
     bad.write_bytes(b"alpha \xff beta\ngamma\n")
     good = write_lines(tmp_path / "good.de", ["ALPHA", "GAMMA"])
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"alpha \xff\ngamma\n"), encoding="utf-8",
-                                                       errors="surrogateescape", newline="\n"))
-    for argv, name in ((["translate", "-c", run, "--beam", "1", "-i", str(bad)], str(bad)),
-                       (["translate", "-c", run, "--beam", "1"], "<stdin>"),
-                       (["score", "-c", run, "--src", str(bad), "--ref", str(good)], str(bad)),
-                       (["score", "-c", run, "--src", str(good), "--ref", str(bad)], str(bad)),
-                       (["evaluate", "-c", run, "--beam", "1", "--src", str(bad), "--ref", str(good),
-                         "-o", str(tmp_path / "hyp")], str(bad))):
+    monkeypatch.setattr(
+        sys,
+        "stdin",
+        io.TextIOWrapper(
+            io.BytesIO(b"alpha \xff\ngamma\n"),
+            encoding="utf-8",
+            errors="surrogateescape",
+            newline="\n",
+        ),
+    )
+    for argv, name in (
+        (["translate", "-c", run, "--beam", "1", "-i", str(bad)], str(bad)),
+        (["translate", "-c", run, "--beam", "1"], "<stdin>"),
+        (["score", "-c", run, "--src", str(bad), "--ref", str(good)], str(bad)),
+        (["score", "-c", run, "--src", str(good), "--ref", str(bad)], str(bad)),
+        (
+            [
+                "evaluate",
+                "-c",
+                run,
+                "--beam",
+                "1",
+                "--src",
+                str(bad),
+                "--ref",
+                str(good),
+                "-o",
+                str(tmp_path / "hyp"),
+            ],
+            str(bad),
+        ),
+    ):
         capsys.readouterr()
         assert main(argv) == 0, argv
         out, err = capsys.readouterr()
         warnings = [line for line in err.splitlines() if "invalid UTF-8" in line]
-        assert warnings == [f"tmt: warning: {name}: 1 line(s) with invalid UTF-8 (first: line 1); bytes replaced "
-                            "by U+FFFD"], (argv, err)
+        assert warnings == [
+            f"tmt: warning: {name}: 1 line(s) with invalid UTF-8 (first: line 1); bytes replaced "
+            "by U+FFFD"
+        ], (argv, err)
         if argv[0] != "evaluate":
             assert len(out.split("\n")[:-1]) == 2, argv
 
 
 @pytest.mark.parametrize("flag", [["--beam", "4"], ["--alpha", "5"], ["--max-len", "0", "5"]])
 def test_score_offers_no_search_flags(trained, tmp_path, capsys, flag):
-    """Issue 22 item 15: score (forced decoding) accepted --beam/--alpha/--max-len and ignored them."""
+    """Issue 22 item 15: score (forced decoding) accepted --beam/--alpha/--max-len and ignored
+    them."""
     s, r = write_lines(tmp_path / "s.en", ["alpha"]), write_lines(tmp_path / "r.de", ["ALPHA"])
     with pytest.raises(SystemExit) as info:
         main(["score", "-c", str(trained["run_dir"]), "--src", str(s), "--ref", str(r), *flag])
@@ -799,10 +1127,25 @@ def test_quiet_training_prints_no_progress_bar_and_no_validation_lines(trained, 
     shown = {}
     for quiet in (False, True):
         capsys.readouterr()
-        assert main([*(["-q"] if quiet else []), "train", str(cfg), "--set", "train.max_steps=4",
-                     "--set", "train.valid_every=2", "--set", f"output_dir={tmp_path / f'run-{quiet}'}"]) == 0
+        assert (
+            main(
+                [
+                    *(["-q"] if quiet else []),
+                    "train",
+                    str(cfg),
+                    "--set",
+                    "train.max_steps=4",
+                    "--set",
+                    "train.valid_every=2",
+                    "--set",
+                    f"output_dir={tmp_path / f'run-{quiet}'}",
+                ]
+            )
+            == 0
+        )
         out, err = capsys.readouterr()
         shown[quiet] = out + err
     bar, valid = re.compile(r"train:\s+\d+%\|"), re.compile(r"step [24]: valid")
-    assert bar.search(shown[False]) and valid.search(shown[False])  # what -q is to hide is there without it
+    # what -q is to hide is there without it
+    assert bar.search(shown[False]) and valid.search(shown[False])
     assert not bar.search(shown[True]) and not valid.search(shown[True]), shown[True]

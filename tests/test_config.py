@@ -1,4 +1,5 @@
-"""The config loader: strict keys and types, errors that say where, `--set` overrides, round trips."""
+"""The config loader: strict keys and types, errors that say where, `--set` overrides, round
+trips."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from transformer_mt.config import (Config, ConfigError, DecodeConfig, ModelConfig, TrainConfig, apply_override,
-                                   config_from_dict, load_config, save_config)
+from transformer_mt.config import (
+    Config,
+    ConfigError,
+    DecodeConfig,
+    ModelConfig,
+    TrainConfig,
+    apply_override,
+    config_from_dict,
+    load_config,
+    save_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted({*(ROOT / "configs").glob("*.yaml"), *(ROOT / "configs").glob("*.yml")})
@@ -41,7 +51,9 @@ def error_of(fn, *args, **kwargs) -> str:
 
 
 def test_unknown_key_names_dotted_key_suggestion_file_and_line(tmp_path):
-    path = write_yaml(tmp_path, """
+    path = write_yaml(
+        tmp_path,
+        """
         data:
           train: corpus/train
           valid: corpus/valid
@@ -49,7 +61,8 @@ def test_unknown_key_names_dotted_key_suggestion_file_and_line(tmp_path):
           heads: 4
           d_modle: 128
           dropout: 0.1
-        """)
+        """,
+    )
     assert line_of(path, "d_modle") == 6
     msg = error_of(load_config, path)
     assert "model.d_modle" in msg
@@ -58,10 +71,13 @@ def test_unknown_key_names_dotted_key_suggestion_file_and_line(tmp_path):
 
 
 def test_unknown_top_level_section_suggests_closest(tmp_path):
-    path = write_yaml(tmp_path, """
+    path = write_yaml(
+        tmp_path,
+        """
         modle:
           d_model: 64
-        """)
+        """,
+    )
     msg = error_of(load_config, path)
     assert "modle" in msg and "did you mean model" in msg
     assert f"{path}:1" in msg
@@ -77,19 +93,25 @@ def test_unknown_key_without_close_match_lists_valid_keys():
 # --------------------------------------------------------------------------- types
 
 
-@pytest.mark.parametrize("section, key, value, expected", [
-    ("train", "max_steps", '"lots"', r"int"),
-    ("model", "dropout", "[1]", r"number|float"),
-    ("model", "heads", "true", r"int"),  # a bool is not an int, although Python says it is
-    ("model", "tie_embeddings", '"yes"', r"bool|true or false"),
-    ("data", "train", "[1, 2]", r"str"),
-    ("train", "adam_betas", "0.9", r"list"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("train", "max_steps", '"lots"', r"int"),
+        ("model", "dropout", "[1]", r"number|float"),
+        ("model", "heads", "true", r"int"),  # a bool is not an int, although Python says it is
+        ("model", "tie_embeddings", '"yes"', r"bool|true or false"),
+        ("data", "train", "[1, 2]", r"str"),
+        ("train", "adam_betas", "0.9", r"list"),
+    ],
+)
 def test_wrong_type_names_key_and_expected_type(tmp_path, section, key, value, expected):
-    path = write_yaml(tmp_path, f"""
+    path = write_yaml(
+        tmp_path,
+        f"""
         {section}:
           {key}: {value}
-        """)
+        """,
+    )
     msg = error_of(load_config, path)
     assert f"{section}.{key}" in msg
     assert re.search(expected, msg), msg
@@ -109,10 +131,13 @@ def test_ints_are_accepted_for_floats_and_lists_for_tuples():
 
 
 def test_scientific_notation_without_a_dot_is_a_number(tmp_path):
-    path = write_yaml(tmp_path, """
+    path = write_yaml(
+        tmp_path,
+        """
         train:
           adam_eps: 1e-9
-        """)
+        """,
+    )
     assert load_config(path).train.adam_eps == pytest.approx(1e-9)
 
 
@@ -120,24 +145,30 @@ def test_scientific_notation_without_a_dot_is_a_number(tmp_path):
 
 
 def test_malformed_yaml_reports_file_and_line(tmp_path):
-    path = write_yaml(tmp_path, """
+    path = write_yaml(
+        tmp_path,
+        """
         model:
           d_model: 64
           heads: 2: 4
         train:
           max_steps: 10
-        """)
+        """,
+    )
     assert line_of(path, "heads: 2: 4") == 3
     msg = error_of(load_config, path)
     assert re.search(re.escape(str(path)) + r":3\b", msg), msg
 
 
 def test_malformed_yaml_unclosed_bracket_names_the_file(tmp_path):
-    path = write_yaml(tmp_path, """
+    path = write_yaml(
+        tmp_path,
+        """
         train:
           adam_betas: [0.9, 0.98
           max_steps: 10
-        """)
+        """,
+    )
     msg = error_of(load_config, path)
     assert re.search(re.escape(str(path)) + r":\d+", msg), msg
 
@@ -158,19 +189,23 @@ def test_empty_file_gives_defaults(tmp_path):
     assert load_config(path) == Config()
 
 
-# --------------------------------------------------------------------------- ranges and cross-field checks
+# --------------------------------------------------------------------------- ranges and cross-field
+# checks
 
 
-@pytest.mark.parametrize("raw, key", [
-    ({"model": {"dropout": 1.5}}, "model.dropout"),
-    ({"model": {"dropout": -0.1}}, "model.dropout"),
-    ({"model": {"d_model": 30, "heads": 4}}, "model.d_model"),
-    ({"decode": {"beam": 0}}, "decode.beam"),
-    ({"train": {"max_steps": 0}}, "train.max_steps"),
-    ({"train": {"adam_betas": [0.9, 1.5]}}, "train.adam_betas"),
-    ({"tokenizer": {"vocab_size": 3}}, "tokenizer.vocab_size"),
-    ({"data": {"format": "hf"}}, "data.dataset"),
-])
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"model": {"dropout": 1.5}}, "model.dropout"),
+        ({"model": {"dropout": -0.1}}, "model.dropout"),
+        ({"model": {"d_model": 30, "heads": 4}}, "model.d_model"),
+        ({"decode": {"beam": 0}}, "decode.beam"),
+        ({"train": {"max_steps": 0}}, "train.max_steps"),
+        ({"train": {"adam_betas": [0.9, 1.5]}}, "train.adam_betas"),
+        ({"tokenizer": {"vocab_size": 3}}, "tokenizer.vocab_size"),
+        ({"data": {"format": "hf"}}, "data.dataset"),
+    ],
+)
 def test_out_of_range_values_name_the_key(raw, key):
     msg = error_of(config_from_dict, raw)
     assert key in msg
@@ -182,12 +217,15 @@ def test_d_model_not_divisible_by_heads_mentions_both():
 
 
 def test_range_error_points_at_the_line_of_the_key(tmp_path):
-    path = write_yaml(tmp_path, """
+    path = write_yaml(
+        tmp_path,
+        """
         model:
           d_model: 64
           heads: 4
           dropout: 1.5
-        """)
+        """,
+    )
     msg = error_of(load_config, path)
     assert "model.dropout" in msg
     assert f"{path}:4" in msg
@@ -207,13 +245,16 @@ def test_dataclasses_check_ranges_when_built_directly():
 
 @pytest.fixture
 def base_yaml(tmp_path) -> Path:
-    return write_yaml(tmp_path, """
+    return write_yaml(
+        tmp_path,
+        """
         model:
           d_model: 64
           heads: 4
         train:
           max_steps: 10
-        """)
+        """,
+    )
 
 
 def test_overrides_are_parsed_as_yaml_ints(base_yaml):
@@ -275,7 +316,9 @@ def test_apply_override_on_plain_dict():
 
 
 def test_save_config_round_trip(tmp_path):
-    path = write_yaml(tmp_path, """
+    path = write_yaml(
+        tmp_path,
+        """
         data:
           format: jsonl
           train: corpus/train.jsonl
@@ -300,7 +343,8 @@ def test_save_config_round_trip(tmp_path):
           beam: 3
           alpha: 0
         output_dir: runs/x
-        """)
+        """,
+    )
     cfg = load_config(path)
     out = tmp_path / "saved" / "config.yaml"
     save_config(cfg, out)
@@ -342,15 +386,20 @@ def test_demo_config_exists():
 
 
 def test_old_run_directories_with_decode_max_tokens_still_load(tmp_path):
-    """decode.max_tokens (source tokens x beam) was renamed max_src_tokens, apart from train.max_tokens
-    (sentences x longer side): a config.yaml saved before the rename keeps its value."""
-    path = write_yaml(tmp_path, "decode:\n  max_tokens: 1234\ntrain:\n  max_tokens: 2048\n", "config.yaml")
+    """decode.max_tokens (source tokens x beam) was renamed max_src_tokens, apart from
+    train.max_tokens (sentences x longer side): a config.yaml saved before the rename keeps its
+    value."""
+    path = write_yaml(
+        tmp_path, "decode:\n  max_tokens: 1234\ntrain:\n  max_tokens: 2048\n", "config.yaml"
+    )
     cfg = load_config(path)
     assert cfg.decode.max_src_tokens == 1234 and cfg.train.max_tokens == 2048
     assert "max_tokens" not in cfg.to_dict()["decode"]
 
 
-@pytest.mark.parametrize("max_len, max_positions, expected", [(None, 1024, 256), (None, 64, 63), (100, 101, 100)])
+@pytest.mark.parametrize(
+    "max_len, max_positions, expected", [(None, 1024, 256), (None, 64, 63), (100, 101, 100)]
+)
 def test_data_max_len_defaults_within_the_model_positions(max_len, max_positions, expected):
     data = {} if max_len is None else {"max_len": max_len}
     cfg = config_from_dict({"data": data, "model": {"max_positions": max_positions}})
@@ -359,14 +408,18 @@ def test_data_max_len_defaults_within_the_model_positions(max_len, max_positions
 
 def test_data_max_len_beyond_the_positions_names_both_keys_and_the_line(tmp_path):
     path = write_yaml(tmp_path, "data:\n  max_len: 200\nmodel:\n  max_positions: 200\n")
-    with pytest.raises(ConfigError, match=r"exp.yaml:2: data.max_len \(200\) \+ 1 must be <= model.max_positions"):
+    with pytest.raises(
+        ConfigError, match=r"exp.yaml:2: data.max_len \(200\) \+ 1 must be <= model.max_positions"
+    ):
         load_config(path)
 
 
 def test_demo_recipe_has_a_time_budget_for_the_five_minute_promise():
-    """Defect 9: `make demo` took 342 s of training on a 2-core EPYC without AMX. The recipe now stops at
-    train.max_minutes (set-up included) whatever the machine, leaving room for the install, the test-set
-    evaluation and the samples within five minutes; its BLEU is measured by `make demo` itself."""
+    """Defect 9: `make demo` took 342 s of training on a 2-core EPYC without AMX. The recipe now
+    stops at train.max_minutes (set-up included) whatever the machine, leaving room for the install,
+    the test-set evaluation and the samples within five minutes; its BLEU is measured by `make demo`
+    itself."""
     cfg = load_config(ROOT / "configs" / "demo.yaml")
     assert 0 < cfg.train.max_minutes <= 3.5
-    assert cfg.train.max_steps * cfg.train.max_tokens <= 700 * 4096  # no more tokens than the old recipe's
+    # no more tokens than the old recipe's
+    assert cfg.train.max_steps * cfg.train.max_tokens <= 700 * 4096

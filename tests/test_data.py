@@ -17,8 +17,15 @@ import torch
 
 from transformer_mt import data
 from transformer_mt.config import DataConfig, TokenizerConfig
-from transformer_mt.data import (DataError, TokenizedCorpus, collate, load_tokenized, make_batches, read_split,
-                                 usable_indices)
+from transformer_mt.data import (
+    DataError,
+    TokenizedCorpus,
+    collate,
+    load_tokenized,
+    make_batches,
+    read_split,
+    usable_indices,
+)
 from transformer_mt.tokenizer import train_tokenizer
 from transformer_mt.vocab import BOS, EOS, PAD
 
@@ -138,20 +145,30 @@ def test_jsonl_nested_fields(tmp_path, hf_cache):
     rows = [{"id": i, "translation": {"en": f"sentence {i}", "de": f"Satz {i}"}} for i in range(4)]
     path = tmp_path / "valid.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    cfg = DataConfig(format="jsonl", valid=str(path), src_field="translation.en", tgt_field="translation.de")
-    assert read_split(cfg, "valid") == ([f"sentence {i}" for i in range(4)], [f"Satz {i}" for i in range(4)])
+    cfg = DataConfig(
+        format="jsonl", valid=str(path), src_field="translation.en", tgt_field="translation.de"
+    )
+    assert read_split(cfg, "valid") == (
+        [f"sentence {i}" for i in range(4)],
+        [f"Satz {i}" for i in range(4)],
+    )
 
 
 def test_jsonl_flat_fields_default_to_language_codes(tmp_path, hf_cache):
     path = tmp_path / "train.jsonl"
     path.write_text('{"en": "one", "de": "eins"}\n{"en": "two", "de": "zwei"}\n', encoding="utf-8")
-    assert read_split(DataConfig(format="jsonl", train=str(path)), "train") == (["one", "two"], ["eins", "zwei"])
+    assert read_split(DataConfig(format="jsonl", train=str(path)), "train") == (
+        ["one", "two"],
+        ["eins", "zwei"],
+    )
 
 
 def test_jsonl_missing_field_names_it(tmp_path, hf_cache):
     path = tmp_path / "train.jsonl"
     path.write_text('{"translation": {"en": "one", "fr": "un"}}\n', encoding="utf-8")
-    cfg = DataConfig(format="jsonl", train=str(path), src_field="translation.en", tgt_field="translation.de")
+    cfg = DataConfig(
+        format="jsonl", train=str(path), src_field="translation.en", tgt_field="translation.de"
+    )
     with pytest.raises(DataError, match="translation.de"):
         read_split(cfg, "train")
 
@@ -171,8 +188,11 @@ def test_hf_offline_fails_fast_with_a_clear_message(tmp_path, monkeypatch, hf_ca
 
     # load_hub_dataset flips these process-wide flags when offline: restore them afterwards.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", huggingface_hub.constants.HF_HUB_OFFLINE)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty cache: nothing to fall back on
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_HUB_OFFLINE", huggingface_hub.constants.HF_HUB_OFFLINE
+    )
+    # an empty cache: nothing to fall back on
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: False)
     cfg = DataConfig(format="hf", dataset="no-such-user/no-such-dataset-for-tests", train="train")
     start = time.monotonic()
@@ -203,10 +223,15 @@ def test_usable_indices_drops_empty_and_long_and_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="transformer_mt"):
         keep = usable_indices(corpus, max_len, "train")
     assert keep.tolist() == [0, 6, 7]
-    warnings = [r.getMessage() for r in caplog.records
-                if r.name == "transformer_mt" and r.levelno == logging.WARNING]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "transformer_mt" and r.levelno == logging.WARNING
+    ]
     assert any("empty" in m and re.search(r"\b2\b", m) for m in warnings), warnings
-    assert any(re.search(r"\b3\b", m) and ("long" in m or "max_len" in m) for m in warnings), warnings
+    assert any(re.search(r"\b3\b", m) and ("long" in m or "max_len" in m) for m in warnings), (
+        warnings
+    )
 
 
 def test_usable_indices_is_silent_when_nothing_dropped(caplog):
@@ -252,7 +277,8 @@ def test_batches_respect_token_budget(lengths, shuffle):
     src, tgt = lengths
     batches = make_batches(src, tgt, MAX_TOKENS, seed=3, epoch=2, shuffle=shuffle)
     for b in batches:
-        width = max(int(src[b].max()), int(tgt[b].max())) + 1  # +1: EOS on the source, BOS/EOS on the target
+        # +1: EOS on the source, BOS/EOS on the target
+        width = max(int(src[b].max()), int(tgt[b].max())) + 1
         assert len(b) == 1 or len(b) * width <= MAX_TOKENS, (len(b), width)
     assert [b.tolist() for b in batches if 17 in b] == [[17]]
     assert [b.tolist() for b in batches if 42 in b] == [[42]]
@@ -275,7 +301,8 @@ def test_unshuffled_batches_are_sorted_by_length(lengths):
     batches = make_batches(src, tgt, MAX_TOKENS, seed=1, epoch=1, shuffle=False)
     flat = np.concatenate(batches)
     assert sorted(flat.tolist()) == list(range(len(src)))
-    keys = list(zip(np.maximum(src, tgt)[flat].tolist(), src[flat].tolist()))  # by longer side, then source
+    # by longer side, then source
+    keys = list(zip(np.maximum(src, tgt)[flat].tolist(), src[flat].tolist()))
     assert keys == sorted(keys)
     again = make_batches(src, tgt, MAX_TOKENS, seed=2, epoch=9, shuffle=False)
     assert [b.tolist() for b in batches] == [b.tolist() for b in again]
@@ -307,8 +334,10 @@ def test_collate_shapes_and_special_tokens():
 def test_collate_teacher_forcing_shift_on_a_real_sized_batch(lengths):
     src_lens, tgt_lens = (x[:50] % 20 + 1 for x in lengths)
     rng = np.random.default_rng(0)
-    corpus = TokenizedCorpus.from_lists([rng.integers(4, 50, n).tolist() for n in src_lens],
-                                        [rng.integers(4, 50, n).tolist() for n in tgt_lens])
+    corpus = TokenizedCorpus.from_lists(
+        [rng.integers(4, 50, n).tolist() for n in src_lens],
+        [rng.integers(4, 50, n).tolist() for n in tgt_lens],
+    )
     idx = list(range(0, 50, 3))
     batch = collate(corpus, idx)
     B = len(idx)
@@ -318,7 +347,7 @@ def test_collate_teacher_forcing_shift_on_a_real_sized_batch(lengths):
     for row, i in enumerate(idx):
         n = int(tgt_lens[i])
         assert batch.tgt_out[row, n] == EOS and batch.src[row, int(src_lens[i])] == EOS
-        assert torch.equal(batch.tgt_in[row, 1:n + 1], batch.tgt_out[row, :n])
+        assert torch.equal(batch.tgt_in[row, 1 : n + 1], batch.tgt_out[row, :n])
     assert batch.n_tgt_tokens == int((batch.tgt_out != PAD).sum())
     assert int((batch.tgt_in != PAD).sum()) == batch.n_tgt_tokens
 
@@ -346,7 +375,9 @@ def test_load_tokenized_caches_and_keys_on_tokenizer_and_file(tmp_path, monkeypa
 
     reads = []
     real_iter_split = data.iter_split
-    monkeypatch.setattr(data, "iter_split", lambda *a, **k: reads.append(a) or real_iter_split(*a, **k))
+    monkeypatch.setattr(
+        data, "iter_split", lambda *a, **k: reads.append(a) or real_iter_split(*a, **k)
+    )
 
     first = load_tokenized(cfg, "train", tok_a, cache)
     assert len(reads) == 1
@@ -355,14 +386,18 @@ def test_load_tokenized_caches_and_keys_on_tokenizer_and_file(tmp_path, monkeypa
     assert [first.tgt(i).tolist() for i in range(30)] == tok_a.encode_tgt([s.upper() for s in src])
 
     # Same corpus, same tokenizer: served from the cache, the corpus is not read again.
-    monkeypatch.setattr(data, "iter_split", lambda *a, **k: pytest.fail("read the corpus despite the cache"))
+    monkeypatch.setattr(
+        data, "iter_split", lambda *a, **k: pytest.fail("read the corpus despite the cache")
+    )
     second = load_tokenized(cfg, "train", tok_a, cache)
     assert [second.src(i).tolist() for i in range(30)] == [first.src(i).tolist() for i in range(30)]
     assert [second.tgt(i).tolist() for i in range(30)] == [first.tgt(i).tolist() for i in range(30)]
     n_folders = len(list(cache.iterdir()))
 
     # Another tokenizer: a new cache entry, tokenized with that tokenizer.
-    monkeypatch.setattr(data, "iter_split", lambda *a, **k: reads.append(a) or real_iter_split(*a, **k))
+    monkeypatch.setattr(
+        data, "iter_split", lambda *a, **k: reads.append(a) or real_iter_split(*a, **k)
+    )
     by_b = load_tokenized(cfg, "train", tok_b, cache)
     assert len(reads) == 2
     assert [by_b.src(i).tolist() for i in range(30)] == tok_b.encode_src(src)
@@ -408,15 +443,20 @@ def test_load_tokenized_empty_corpus_is_an_error(tmp_path, tokenizers):
     (tmp_path / "train.en").write_text("")
     (tmp_path / "train.de").write_text("")
     with pytest.raises(DataError, match="empty"):
-        load_tokenized(DataConfig(train=str(tmp_path / "train")), "train", tokenizers[0], tmp_path / "cache")
+        load_tokenized(
+            DataConfig(train=str(tmp_path / "train")), "train", tokenizers[0], tmp_path / "cache"
+        )
 
 
-# --------------------------------------------------------------------------- defects found in review (issue 11)
+# --------------------------------------------------------------------------- defects found in
+# review (issue 11)
 
 
-def test_token_cache_sees_a_same_size_rewrite_that_keeps_the_mtime(tmp_path, monkeypatch, tokenizers):
-    """Defect 5: the cache was keyed on path, size and mtime, so `cp -p`, `rsync -t` or `tar` rewriting a
-    corpus with new content of the same size reused stale token ids."""
+def test_token_cache_sees_a_same_size_rewrite_that_keeps_the_mtime(
+    tmp_path, monkeypatch, tokenizers
+):
+    """Defect 5: the cache was keyed on path, size and mtime, so `cp -p`, `rsync -t` or `tar`
+    rewriting a corpus with new content of the same size reused stale token ids."""
     tok = tokenizers[0]
     src_path = write_text(tmp_path / "train.en", ["the cat sat", "a red house"])
     write_text(tmp_path / "train.de", ["THE CAT SAT", "A RED HOUSE"])
@@ -430,17 +470,29 @@ def test_token_cache_sees_a_same_size_rewrite_that_keeps_the_mtime(tmp_path, mon
     assert again.src(0).tolist() == tok.encode_src(["the dog sat"])[0] != first.src(0).tolist()
     # The key follows content only: the same bytes at a new mtime still hit the cache.
     os.utime(src_path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-    monkeypatch.setattr(data, "iter_split", lambda *a, **k: pytest.fail("read the corpus despite the cache"))
-    assert load_tokenized(cfg, "train", tok, tmp_path / "cache").src(0).tolist() == again.src(0).tolist()
+    monkeypatch.setattr(
+        data, "iter_split", lambda *a, **k: pytest.fail("read the corpus despite the cache")
+    )
+    assert (
+        load_tokenized(cfg, "train", tok, tmp_path / "cache").src(0).tolist()
+        == again.src(0).tolist()
+    )
 
 
-@pytest.mark.parametrize("rows, line, found", [
-    (["a\tb\tc", "d\te"], 1, 3),  # an extra tab in the first row used to shift every column
-    (["a\tb", "c\td", "no tab here", "e\tf"], 3, 1),  # a bad row later used to raise a raw parser error
-    (["a\tb", "", "c\td"], 2, 1),  # a blank line
-])
-def test_tsv_row_with_wrong_field_count_is_an_error_naming_file_and_line(tmp_path, rows, line, found):
-    """Defect 7: nothing shifted or dropped silently; the error names file:line and the count found."""
+@pytest.mark.parametrize(
+    "rows, line, found",
+    [
+        (["a\tb\tc", "d\te"], 1, 3),  # an extra tab in the first row used to shift every column
+        # a bad row later used to raise a raw parser error
+        (["a\tb", "c\td", "no tab here", "e\tf"], 3, 1),
+        (["a\tb", "", "c\td"], 2, 1),  # a blank line
+    ],
+)
+def test_tsv_row_with_wrong_field_count_is_an_error_naming_file_and_line(
+    tmp_path, rows, line, found
+):
+    """Defect 7: nothing shifted or dropped silently; the error names file:line and the count
+    found."""
     path = tmp_path / "train.tsv"
     write_text(path, rows)
     with pytest.raises(DataError) as info:
@@ -449,19 +501,23 @@ def test_tsv_row_with_wrong_field_count_is_an_error_naming_file_and_line(tmp_pat
 
 
 def test_tsv_line_ends_at_newline_only(tmp_path):
-    """A lone \\r inside a TSV field stays in the field (lines end at \\n only, everywhere); CRLF ends a line."""
+    """A lone \\r inside a TSV field stays in the field (lines end at \\n only, everywhere); CRLF
+    ends a line."""
     path = tmp_path / "train.tsv"
     path.write_bytes(b"one\rtwo\teins\rzwei\r\nthree\tdrei\n")
-    assert read_split(DataConfig(format="tsv", train=str(path)), "train") == (["one\rtwo", "three"],
-                                                                            ["eins\rzwei", "drei"])
+    assert read_split(DataConfig(format="tsv", train=str(path)), "train") == (
+        ["one\rtwo", "three"],
+        ["eins\rzwei", "drei"],
+    )
 
 
-# --------------------------------------------------------------------------- issue 22: the token cache under concurrency
+# --------------------------------------------------------------------------- issue 22: the token
+# cache under concurrency
 
 
 class _MeetAfterTokenizing:
-    """A tokenizer that, having tokenized its (one) target chunk, waits at a barrier shared with another process
-    filling the same cache entry: both then publish at the same moment."""
+    """A tokenizer that, having tokenized its (one) target chunk, waits at a barrier shared with
+    another process filling the same cache entry: both then publish at the same moment."""
 
     def __init__(self, tok, barrier):
         self.tok, self.barrier, self.digest = tok, barrier, tok.digest
@@ -476,14 +532,19 @@ class _MeetAfterTokenizing:
 
 
 def _fill_caches(cfg, tok, barrier, caches, results):
-    """One process of two: fill each cache folder in turn, meeting the other process in every fill."""
+    """One process of two: fill each cache folder in turn, meeting the other process in every
+    fill."""
     try:
         tok = _MeetAfterTokenizing(tok, barrier)
         out = []
         for cache in caches:
             corpus = load_tokenized(cfg, "train", tok, cache)
-            out.append([[corpus.src(i).tolist() for i in range(len(corpus))],
-                        [corpus.tgt(i).tolist() for i in range(len(corpus))]])
+            out.append(
+                [
+                    [corpus.src(i).tolist() for i in range(len(corpus))],
+                    [corpus.tgt(i).tolist() for i in range(len(corpus))],
+                ]
+            )
         results.put(("ok", out))
     except BaseException as e:  # noqa: BLE001  reported to the test; the other process leaves the barrier
         barrier.abort()
@@ -491,10 +552,11 @@ def _fill_caches(cfg, tok, barrier, caches, results):
 
 
 def test_two_processes_filling_one_cache_entry_at_once_both_succeed(tmp_path, tokenizers):
-    """Issue 22 item 12: two `tmt train` of one new corpus started together raced in the cache's rmtree +
-    os.replace (ENOTEMPTY, or a read between the other's rmtree and rename). Two real processes fill the same
-    entry and publish it at the same moment (a barrier, not sleeps), 60 times over (the old code failed in about
-    one in 12): both succeed every time with the tokenizer's ids, and no temporary folder is left behind."""
+    """Issue 22 item 12: two `tmt train` of one new corpus started together raced in the cache's
+    rmtree + os.replace (ENOTEMPTY, or a read between the other's rmtree and rename). Two real
+    processes fill the same entry and publish it at the same moment (a barrier, not sleeps), 60
+    times over (the old code failed in about one in 12): both succeed every time with the
+    tokenizer's ids, and no temporary folder is left behind."""
     import multiprocessing
 
     tok = tokenizers[0]
@@ -505,7 +567,10 @@ def test_two_processes_filling_one_cache_entry_at_once_both_succeed(tmp_path, to
     caches = [tmp_path / f"cache{r}" for r in range(60)]
     ctx = multiprocessing.get_context("fork")  # no re-import of torch in the children: fast
     barrier, results = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_fill_caches, args=(cfg, tok, barrier, caches, results)) for _ in range(2)]
+    procs = [
+        ctx.Process(target=_fill_caches, args=(cfg, tok, barrier, caches, results))
+        for _ in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -522,10 +587,13 @@ def test_two_processes_filling_one_cache_entry_at_once_both_succeed(tmp_path, to
         assert [p.name for p in cache.iterdir()] == [f"train-{data.corpus_key(cfg, 'train', tok)}"]
 
 
-def test_a_cache_entry_published_by_another_writer_during_a_fill_is_the_one_used(tmp_path, tokenizers):
-    """The losing writer's side of the race, in one process and deterministic: while one fill is under way,
-    another fills and publishes the same entry. The first keeps its own temporary folder (the old per-pid
-    name was shared, and deleted under it), drops its copy at the end and returns the published one."""
+def test_a_cache_entry_published_by_another_writer_during_a_fill_is_the_one_used(
+    tmp_path, tokenizers
+):
+    """The losing writer's side of the race, in one process and deterministic: while one fill is
+    under way, another fills and publishes the same entry. The first keeps its own temporary folder
+    (the old per-pid name was shared, and deleted under it), drops its copy at the end and returns
+    the published one."""
     tok = tokenizers[0]
     src = sentences(20, seed=22)
     write_text(tmp_path / "train.en", src)
@@ -545,12 +613,15 @@ def test_a_cache_entry_published_by_another_writer_during_a_fill_is_the_one_used
     assert len(inner) == 1
     for corpus in (outer, inner[0]):
         assert [corpus.src(i).tolist() for i in range(20)] == tok.encode_src(src)
-        assert [corpus.tgt(i).tolist() for i in range(20)] == tok.encode_tgt([s.upper() for s in src])
+        assert [corpus.tgt(i).tolist() for i in range(20)] == tok.encode_tgt(
+            [s.upper() for s in src]
+        )
     assert [p.name for p in cache.iterdir()] == [f"train-{data.corpus_key(cfg, 'train', tok)}"]
 
 
 def test_an_incomplete_cache_folder_is_replaced_not_fatal(tmp_path, tokenizers):
-    """A folder at the entry's name without its offsets (not written by tmt) is refilled and replaced."""
+    """A folder at the entry's name without its offsets (not written by tmt) is refilled and
+    replaced."""
     tok = tokenizers[0]
     write_text(tmp_path / "train.en", ["the cat"])
     write_text(tmp_path / "train.de", ["THE CAT"])

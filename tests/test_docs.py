@@ -17,7 +17,11 @@ def test_every_config_key_is_in_the_readme_reference():
             assert f"`{section.name}`" in README
             continue
         assert f"### `{section.name}`" in README, f"README lacks a section for {section.name}"
-        missing += [f"{section.name}.{f.name}" for f in dataclasses.fields(value) if f"`{f.name}`" not in README]
+        missing += [
+            f"{section.name}.{f.name}"
+            for f in dataclasses.fields(value)
+            if f"`{f.name}`" not in README
+        ]
     assert not missing, f"config keys missing from README: {missing}"
 
 
@@ -37,12 +41,16 @@ def test_every_cli_flag_is_in_the_readme():
 
 
 def test_the_readmes_figures_for_the_demo_and_the_server_are_the_codes():
-    """Issue 22, item 20: the README promised a demo budget and a batch bound that the code did not keep."""
+    """Issue 22, item 20: the README promised a demo budget and a batch bound that the code did not
+    keep."""
     from transformer_mt.config import load_config
     from transformer_mt.serve import Limits
 
     demo = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml").train
-    assert f"`train.max_minutes: {demo.max_minutes:g}`" in README and f"{demo.max_steps} updates" in README
+    assert (
+        f"`train.max_minutes: {demo.max_minutes:g}`" in README
+        and f"{demo.max_steps} updates" in README
+    )
     assert demo.cooldown > 0  # the README says a run cut short by the budget ends annealed
     limits = Limits()
     assert f"`--batch-lines` lines, {limits.batch_lines}" in README
@@ -54,4 +62,6 @@ def test_the_readme_claims_no_decoding_row_that_the_bench_does_not_measure():
 
     scripts = Path(__file__).parent.parent / "scripts"
     if "joey" not in (scripts / "bench_decode.py").read_text(encoding="utf-8").lower():
-        assert not re.search(r"decod[^.]*JoeyNMT", README), "README says JoeyNMT decoding is measured; nothing does"
+        assert not re.search(r"decod[^.]*JoeyNMT", README), (
+            "README says JoeyNMT decoding is measured; nothing does"
+        )

@@ -1,5 +1,6 @@
-"""`tmt export` to CTranslate2 and `--engine ctranslate2` (issue 15): the exported model computes what ours
-computes, token for token and log-probability for log-probability, for every option of our architecture."""
+"""`tmt export` to CTranslate2 and `--engine ctranslate2` (issue 15): the exported model computes
+what ours computes, token for token and log-probability for log-probability, for every option of our
+architecture."""
 
 import json
 import os
@@ -26,8 +27,9 @@ WORDS = "red blue green black white gold silver pink big small old new".split()
 
 
 def tiny_run(root: Path, name: str, *, norm: str, tie: bool, joint: bool, steps: int = 40) -> Path:
-    """A small model trained for 40 updates on a reversal task: not converged, so its distributions are
-    spread and any difference between the engines shows (more `steps`: one that has learned the task)."""
+    """A small model trained for 40 updates on a reversal task: not converged, so its distributions
+    are spread and any difference between the engines shows (more `steps`: one that has learned the
+    task)."""
     corpus = root / "corpus"
     if not corpus.exists():
         corpus.mkdir()
@@ -35,7 +37,9 @@ def tiny_run(root: Path, name: str, *, norm: str, tie: bool, joint: bool, steps:
         for split, n in (("train", 600), ("valid", 8), ("test", 60)):
             src = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9))) for _ in range(n)]
             (corpus / f"{split}.en").write_text("".join(s + "\n" for s in src))
-            (corpus / f"{split}.de").write_text("".join(" ".join(reversed(s.upper().split())) + "\n" for s in src))
+            (corpus / f"{split}.de").write_text(
+                "".join(" ".join(reversed(s.upper().split())) + "\n" for s in src)
+            )
     cfg = root / f"{name}.yaml"
     cfg.write_text(f"""
 data: {{src_lang: en, tgt_lang: de, train: {corpus}/train, valid: {corpus}/valid, test: {corpus}/test}}
@@ -51,8 +55,10 @@ output_dir: {root / name}
     return root / name
 
 
-@pytest.mark.parametrize("norm, tie, joint", [("pre", True, True), ("post", False, False), ("pre", False, True),
-                                              ("post", True, False)])
+@pytest.mark.parametrize(
+    "norm, tie, joint",
+    [("pre", True, True), ("post", False, False), ("pre", False, True), ("post", True, False)],
+)
 def test_float32_export_decodes_and_scores_as_ours(tmp_path, norm, tie, joint):
     run = tiny_run(tmp_path, "run", norm=norm, tie=tie, joint=joint)
     out = export_ctranslate2(run, tmp_path / "ct2", "float32")
@@ -61,11 +67,13 @@ def test_float32_export_decodes_and_scores_as_ours(tmp_path, norm, tie, joint):
     assert theirs.tokenizer.joint == joint
     sources, references = read_split(ours.config.data, "test")
     a, b = ours.translate(sources, beam=1), theirs.translate(sources, beam=1)
-    assert [h[0].pieces for h in a] == [h[0].pieces for h in b]  # greedy: every sentence, token for token
+    # greedy: every sentence, token for token
+    assert [h[0].pieces for h in a] == [h[0].pieces for h in b]
     for x, y in zip(a, b):
         assert y[0].logprob == pytest.approx(x[0].logprob, abs=1e-3)
         assert y[0].token_logprobs == pytest.approx(x[0].token_logprobs, abs=1e-3)
-    # Forced decoding of the references (not the model's own outputs): tmt score against score_batch.
+    # Forced decoding of the references (not the model's own outputs): tmt score against
+    # score_batch.
     sa, sb = ours.score(sources, references), theirs.score(sources, references)
     assert [s.tokens for s in sa] == [s.tokens for s in sb]
     for x, y in zip(sa, sb):
@@ -74,16 +82,33 @@ def test_float32_export_decodes_and_scores_as_ours(tmp_path, norm, tie, joint):
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """The demo recipe (configs/demo.yaml) on its generated corpus, trained for 300 of its 800 updates
-    (about a minute): a real translation model, short of the demo's full accuracy."""
+    """The demo recipe (configs/demo.yaml) on its generated corpus, trained for 300 of its 800
+    updates (about a minute): a real translation model, short of the demo's full accuracy."""
     root = tmp_path_factory.mktemp("demo_export")
     demo_corpus.write_corpus(root / "data")
     cfg = load_config(ROOT / "configs" / "demo.yaml")
-    overrides = [f"data.train={root}/data/train", f"data.valid={root}/data/valid", f"data.test={root}/data/test",
-                 "train.max_steps=300", "train.valid_every=300", "train.valid_bleu=false", "train.max_minutes=0",
-                 f"output_dir={root}/run"]
+    overrides = [
+        f"data.train={root}/data/train",
+        f"data.valid={root}/data/valid",
+        f"data.test={root}/data/test",
+        "train.max_steps=300",
+        "train.valid_every=300",
+        "train.valid_bleu=false",
+        "train.max_minutes=0",
+        f"output_dir={root}/run",
+    ]
     assert cfg.train.max_steps == 800
-    assert main(["-q", "train", str(ROOT / "configs" / "demo.yaml"), *sum((["--set", o] for o in overrides), [])]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                str(ROOT / "configs" / "demo.yaml"),
+                *sum((["--set", o] for o in overrides), []),
+            ]
+        )
+        == 0
+    )
     sources, references = read_split(load_config(root / "run" / "config.yaml").data, "test")
     return {"run": root / "run", "root": root, "sources": sources, "references": references}
 
@@ -101,24 +126,31 @@ def test_beam_search_agrees_with_ours_on_the_demo_model(demo):
     same = sum(x == y for x, y in zip(a, b)) / len(a)
     assert same >= 0.99, [(x, y) for x, y in zip(a, b) if x != y][:5]
     assert abs(_bleu(a, demo["references"]) - _bleu(b, demo["references"])) <= 0.2
-    assert _bleu(a, demo["references"]) > 30  # the model translates: agreement is not agreement on noise
+    # the model translates: agreement is not agreement on noise
+    assert _bleu(a, demo["references"]) > 30
 
 
-# int8 rounding flips a few near-tied words of the small demo model, more or fewer with the CPU's int8 kernels
-# (0.65 BLEU on one Intel Xeon, under 0.5 on an AMD EPYC): the margin is what tells "quantized" from "broken",
-# which costs tens of points.
+# int8 rounding flips a few near-tied words of the small demo model, more or fewer with the CPU's
+# int8 kernels (0.65 BLEU on one Intel Xeon, under 0.5 on an AMD EPYC): the margin is what tells
+# "quantized" from "broken", which costs tens of points.
 INT8_BLEU_MARGIN = 1.5
 
 
 def test_int8_in_both_engines_stays_within_a_bleu_point_and_a_half(demo):
     refs, sources = demo["references"], demo["sources"]
-    reference = _bleu(load_translator(demo["run"], device="cpu", precision="fp32").translate_text(sources), refs)
+    reference = _bleu(
+        load_translator(demo["run"], device="cpu", precision="fp32").translate_text(sources), refs
+    )
     ours8 = load_translator(demo["run"], device="cpu", precision="int8")
     assert ours8.precision == "int8"
-    quantized = [m for m in ours8.model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    quantized = [
+        m for m in ours8.model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)
+    ]
     assert quantized and not any(type(m) is torch.nn.Linear for m in ours8.model.modules())
     out = export_ctranslate2(demo["run"], demo["root"] / "ct2_int8", "int8")
-    assert (out / "model.bin").stat().st_size < 0.4 * (demo["root"] / "ct2_f32" / "model.bin").stat().st_size
+    assert (out / "model.bin").stat().st_size < 0.4 * (
+        demo["root"] / "ct2_f32" / "model.bin"
+    ).stat().st_size
     theirs8 = load_translator(out, engine="ctranslate2", device="cpu")
     assert theirs8.precision == "int8"
     for translator in (ours8, theirs8):
@@ -127,16 +159,40 @@ def test_int8_in_both_engines_stays_within_a_bleu_point_and_a_half(demo):
 
 def test_cli_export_then_evaluate_with_the_engine(demo, capsys):
     out = demo["root"] / "ct2_cli"
-    assert main(["-q", "export", "-c", str(demo["run"]), "--format", "ctranslate2", "--output", str(out),
-                 "--quantization", "int8"]) == 0
-    for name in ("model.bin", "config.json", "spm.model", "tmt.json", "tmt_config.yaml", "README.md"):
+    assert (
+        main(
+            [
+                "-q",
+                "export",
+                "-c",
+                str(demo["run"]),
+                "--format",
+                "ctranslate2",
+                "--output",
+                str(out),
+                "--quantization",
+                "int8",
+            ]
+        )
+        == 0
+    )
+    for name in (
+        "model.bin",
+        "config.json",
+        "spm.model",
+        "tmt.json",
+        "tmt_config.yaml",
+        "README.md",
+    ):
         assert (out / name).is_file(), name
     capsys.readouterr()
     assert main(["-q", "evaluate", "--engine", "ctranslate2", "-c", str(out), "--json"]) == 0
     ct2 = json.loads(capsys.readouterr().out)
     assert main(["-q", "evaluate", "-c", str(demo["run"]), "--json"]) == 0
     torch_result = json.loads(capsys.readouterr().out)
-    assert ct2["engine"] == "ctranslate2" and ct2["precision"] == "int8" and ct2["sentences"] == 1000
+    assert (
+        ct2["engine"] == "ctranslate2" and ct2["precision"] == "int8" and ct2["sentences"] == 1000
+    )
     assert abs(ct2["bleu"] - torch_result["bleu"]) <= INT8_BLEU_MARGIN  # int8 against our fp32
     # A second export into the same directory is refused unless forced.
     assert main(["-q", "export", str(demo["run"]), "-o", str(out)]) == 2
@@ -144,7 +200,8 @@ def test_cli_export_then_evaluate_with_the_engine(demo, capsys):
 
 
 def test_a_checkpoint_decodes_with_the_engine_through_a_cache(demo, capsys):
-    """--engine ctranslate2 on a run directory exports once into the run's ct2-cache/ and reuses it."""
+    """--engine ctranslate2 on a run directory exports once into the run's ct2-cache/ and reuses
+    it."""
     t1 = load_translator(demo["run"], engine="ctranslate2", device="cpu")
     cached = sorted((demo["run"] / "ct2-cache").iterdir())
     assert len(cached) == 1 and t1.directory == cached[0]
@@ -183,21 +240,25 @@ def test_missing_extra_names_it(monkeypatch, tmp_path, capsys):
     assert "pip install 'transformer-mt[ct2]'" in capsys.readouterr().err
 
 
-# --------------------------------------------------------------------------- issue 22: the cache, --force, agreement
+# --------------------------------------------------------------------------- issue 22: the cache,
+# --force, agreement
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """Two tiny runs on the reversal task: a joint and a separate vocabulary. The joint one trains 100 updates:
-    enough that its 4-piece beginnings and its empty output compete at a budget of 5."""
+    """Two tiny runs on the reversal task: a joint and a separate vocabulary. The joint one trains
+    100 updates: enough that its 4-piece beginnings and its empty output compete at a budget of
+    5."""
     root = tmp_path_factory.mktemp("tiny_runs")
-    return {"joint": tiny_run(root, "joint", norm="pre", tie=True, joint=True, steps=100),
-            "separate": tiny_run(root, "separate", norm="post", tie=False, joint=False)}
+    return {
+        "joint": tiny_run(root, "joint", norm="pre", tie=True, joint=True, steps=100),
+        "separate": tiny_run(root, "separate", norm="post", tie=False, joint=False),
+    }
 
 
 def _reweigh(path: Path, factor: float, *, same_stat: bool = True) -> None:
-    """Rewrite a checkpoint with one weight scaled: new content, the same size and modification time (once
-    it has been written by torch.save, whose files of one structure are of one size)."""
+    """Rewrite a checkpoint with one weight scaled: new content, the same size and modification time
+    (once it has been written by torch.save, whose files of one structure are of one size)."""
     st = path.stat()
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     name = next(iter(ckpt["model"]))
@@ -224,13 +285,15 @@ def test_the_cache_is_keyed_by_content_and_keeps_the_three_most_recent(tiny, tmp
         _reweigh(ckpt, factor)
         made.append(cached_export(ckpt, cache))
     assert len(set(made)) == 4
-    assert sorted(cache.iterdir()) == sorted(made[1:])  # the least recently used went; no temporary is left
+    # the least recently used went; no temporary is left
+    assert sorted(cache.iterdir()) == sorted(made[1:])
 
 
 def test_two_exports_of_one_checkpoint_at_once_leave_one_whole_export(tiny, tmp_path, monkeypatch):
-    """While this process converts, another one converts the same checkpoint and puts it in place first
-    (simulated without timing: this conversion runs the other one, start to end, before it returns). The
-    first export in place stays, the second is discarded, and nothing is left half-written."""
+    """While this process converts, another one converts the same checkpoint and puts it in place
+    first (simulated without timing: this conversion runs the other one, start to end, before it
+    returns). The first export in place stays, the second is discarded, and nothing is left
+    half-written."""
     run = shutil.copytree(tiny["joint"], tmp_path / "run")
     ckpt, cache = run / "checkpoints" / "best.pt", run / "ct2-cache"
     real, other = export.export_ctranslate2, []
@@ -256,13 +319,28 @@ def test_an_export_with_another_sentencepiece_model_is_refused_in_one_line(tiny,
         load_translator(out, engine="ctranslate2", device="cpu")
     message = str(e.value)
     assert "tmt.json" in message and "spm.model" in message and "\n" not in message
-    assert main(["score", "--engine", "ctranslate2", "-c", str(out), "--src", os.devnull, "--ref", os.devnull]) == 2
+    assert (
+        main(
+            [
+                "score",
+                "--engine",
+                "ctranslate2",
+                "-c",
+                str(out),
+                "--src",
+                os.devnull,
+                "--ref",
+                os.devnull,
+            ]
+        )
+        == 2
+    )
     assert "spm.model" in capsys.readouterr().err
 
 
 def test_force_replaces_an_earlier_export_whole(tiny, tmp_path):
-    """A joint export overwritten by a separate-vocabulary one: no spm.model (nor any other file) of the
-    first survives to be read instead of the new models."""
+    """A joint export overwritten by a separate-vocabulary one: no spm.model (nor any other file) of
+    the first survives to be read instead of the new models."""
     out = export_ctranslate2(tiny["joint"], tmp_path / "ct2")
     (out / "notes.txt").write_text("left over")
     with pytest.raises(ExportError, match="--force"):
@@ -285,17 +363,19 @@ def test_force_replaces_an_earlier_export_whole(tiny, tmp_path):
 
 
 def test_the_engines_agree_where_the_length_budget_decides(tiny, tmp_path, monkeypatch):
-    """α 1.0, beam 5, and budgets that decide: --max-len 0 5 (4 pieces and EOS, whatever the source) and
-    1 1 (|source| + 1, EOS included: budgets differ sentence by sentence within a batch), on the test
-    sources and on pairs of them joined. Every sentence comes out identical, piece for piece, unless our
-    search met a near-tie (two candidates within 1e-4, or its two best finished translations): the two
-    engines' log-probabilities differ by float rounding, so they may order those either way."""
+    """α 1.0, beam 5, and budgets that decide: --max-len 0 5 (4 pieces and EOS, whatever the source)
+    and 1 1 (|source| + 1, EOS included: budgets differ sentence by sentence within a batch), on the
+    test sources and on pairs of them joined. Every sentence comes out identical, piece for piece,
+    unless our search met a near-tie (two candidates within 1e-4, or its two best finished
+    translations): the two engines' log-probabilities differ by float rounding, so they may order
+    those either way."""
     run = tiny["joint"]
     out = export_ctranslate2(run, tmp_path / "ct2")
     gaps: list[float] = []
     real_step = search.beam_step
 
-    def step(cum, cand_logp, cand_tok, n_cand):  # records the smallest gap between ranked candidates
+    # records the smallest gap between ranked candidates
+    def step(cum, cand_logp, cand_tok, n_cand):
         top, *rest = real_step(cum, cand_logp, cand_tok, n_cand)
         gap = (top[:, :-1] - top[:, 1:]).masked_fill(~torch.isfinite(top[:, 1:]), float("inf"))
         gaps.append(gap.min().item())
@@ -304,14 +384,21 @@ def test_the_engines_agree_where_the_length_budget_decides(tiny, tmp_path, monke
     monkeypatch.setattr(search, "beam_step", step)
     sources, _ = read_split(load_config(run / "config.yaml").data, "test")
     sources += [f"{a} {b}" for a, b in zip(sources[0::2], sources[1::2])]
-    free = load_translator(run, device="cpu", precision="fp32", beam=5, alpha=1.0, max_len=(0.0, 40))
-    # The budget of 5 binds: most sentences' unconstrained translations are longer than 4 pieces. (Which side
-    # then wins, the cut 4-piece hypotheses or the empty one, is a near thing that the CPU's kernels tip during
-    # training: all empty on AVX2 kernels, 58 of 90 cut on AVX-512 ones. Either way both engines must decide alike.)
+    free = load_translator(
+        run, device="cpu", precision="fp32", beam=5, alpha=1.0, max_len=(0.0, 40)
+    )
+    # The budget of 5 binds: most sentences' unconstrained translations are longer than 4 pieces.
+    # (Which side then wins, the cut 4-piece hypotheses or the empty one, is a near thing that the
+    # CPU's kernels tip during training: all empty on AVX2 kernels, 58 of 90 cut on AVX-512 ones.
+    # Either way both engines must decide alike.)
     assert sum(len(h[0].pieces) > 4 for h in free.translate(sources)) > len(sources) // 2
     for max_len in ((0.0, 5), (1.0, 1)):
-        ours = load_translator(run, device="cpu", precision="fp32", beam=5, alpha=1.0, max_len=max_len)
-        theirs = load_translator(out, engine="ctranslate2", device="cpu", beam=5, alpha=1.0, max_len=max_len)
+        ours = load_translator(
+            run, device="cpu", precision="fp32", beam=5, alpha=1.0, max_len=max_len
+        )
+        theirs = load_translator(
+            out, engine="ctranslate2", device="cpu", beam=5, alpha=1.0, max_len=max_len
+        )
         clear = []
         for src in sources:  # one at a time, so that the gaps recorded are this sentence's
             gaps.clear()
@@ -321,9 +408,14 @@ def test_the_engines_agree_where_the_length_budget_decides(tiny, tmp_path, monke
         b = [h[0] for h in theirs.translate(sources)]
         assert sum(clear) >= 0.8 * len(sources), sum(clear)  # near-ties are the exception
         differ = [i for i in range(len(sources)) if clear[i] and a[i].pieces != b[i].pieces]
-        # The one difference ct2._penalty documents: CTranslate2 picks which finished hypotheses to return by its
-        # own length penalty, which favours longer ones more than GNMT's, so a shorter best of ours (here the
-        # empty translation, on AVX2 kernels) can be left out. Then ours is the shorter and the better by our
-        # ranking; anything else (a budget or search difference) fails, and so does more than a few of these.
-        penalty = [i for i in differ if len(a[i].pieces) < len(b[i].pieces) and a[i].score > b[i].score]
-        assert [i for i in differ if i not in penalty] == [] and len(penalty) <= 0.1 * len(sources), max_len
+        # The one difference ct2._penalty documents: CTranslate2 picks which finished hypotheses to
+        # return by its own length penalty, which favours longer ones more than GNMT's, so a shorter
+        # best of ours (here the empty translation, on AVX2 kernels) can be left out. Then ours is
+        # the shorter and the better by our ranking; anything else (a budget or search difference)
+        # fails, and so does more than a few of these.
+        penalty = [
+            i for i in differ if len(a[i].pieces) < len(b[i].pieces) and a[i].score > b[i].score
+        ]
+        assert [i for i in differ if i not in penalty] == [] and len(penalty) <= 0.1 * len(
+            sources
+        ), max_len

@@ -1,17 +1,18 @@
-"""The CUDA paths: training in each GPU precision, our model on the GPU against the CPU, and DDP over NCCL.
+"""The CUDA paths: training in each GPU precision, our model on the GPU against the CPU, and DDP
+over NCCL.
 
 Skipped without a CUDA device (CI has none); run on a GPU machine with `pytest tests/test_gpu.py`.
 """
 
 import math
+
 import pytest
 import torch
+from test_train import tiny_config, write_copy_corpus
 
 from transformer_mt.config import ModelConfig
 from transformer_mt.model import Transformer
 from transformer_mt.train import Trainer
-
-from test_train import tiny_config, write_copy_corpus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32", "auto"])
 def test_training_on_cuda_keeps_fp32_weights_in_each_precision(tmp_path, precision):
     write_copy_corpus(tmp_path, n_train=200)
-    trainer = Trainer(tiny_config(tmp_path, max_steps=4, valid_every=4, precision=precision, device="cuda"))
+    trainer = Trainer(
+        tiny_config(tmp_path, max_steps=4, valid_every=4, precision=precision, device="cuda")
+    )
     expected = "bf16" if precision == "auto" and torch.cuda.is_bf16_supported() else precision
     assert trainer.precision == expected and trainer.device.type == "cuda"
     assert trainer.scaler.is_enabled() == (expected == "fp16")  # the grad scaler only for fp16
@@ -30,8 +33,12 @@ def test_training_on_cuda_keeps_fp32_weights_in_each_precision(tmp_path, precisi
 
 def test_our_model_computes_the_same_on_cuda_as_on_the_cpu():
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(d_model=64, heads=4, encoder_layers=2, decoder_layers=2, d_ff=128,
-                                    dropout=0.0), 50, 50, joint_vocab=True).eval()
+    model = Transformer(
+        ModelConfig(d_model=64, heads=4, encoder_layers=2, decoder_layers=2, d_ff=128, dropout=0.0),
+        50,
+        50,
+        joint_vocab=True,
+    ).eval()
     src, tgt = torch.randint(4, 50, (3, 9)), torch.randint(4, 50, (3, 7))
     src[0, 6:] = 0  # padding in one row: the masks must agree too
     with torch.no_grad():
@@ -41,8 +48,9 @@ def test_our_model_computes_the_same_on_cuda_as_on_the_cpu():
 
 
 def test_the_ranks_collectives_run_over_nccl_on_gpu_tensors():
-    """NCCL reduces only CUDA tensors: agree, agree_min and global_sum must build theirs on the run's device.
-    One GPU holds one NCCL rank, so the group has one process, and Dist claims two to take the collective path."""
+    """NCCL reduces only CUDA tensors: agree, agree_min and global_sum must build theirs on the
+    run's device. One GPU holds one NCCL rank, so the group has one process, and Dist claims two to
+    take the collective path."""
     import torch.distributed as dist
 
     from transformer_mt.distributed import Dist, agree, agree_min, global_sum

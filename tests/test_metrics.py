@@ -1,5 +1,5 @@
-"""Evaluation a researcher can publish: sacreBLEU's paired tests, the literature's tokenized BLEU beside
-sacreBLEU, and the BLEU tokenizer of the target language (issue 14)."""
+"""Evaluation a researcher can publish: sacreBLEU's paired tests, the literature's tokenized BLEU
+beside sacreBLEU, and the BLEU tokenizer of the target language (issue 14)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 from transformer_mt.metrics import compare, moses_tokenized, paper_bleu, score
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
-WORDS = "ein Hund Mann Frau läuft sitzt auf dem roten grünen Haus Baum im Park mit einer Katze".split()
+WORDS = (
+    "ein Hund Mann Frau läuft sitzt auf dem roten grünen Haus Baum im Park mit einer Katze".split()
+)
 
 
 def sentences(n: int, seed: int) -> list[str]:
@@ -34,7 +36,9 @@ def test_paired_bootstrap_of_identical_systems_finds_no_difference():
 def test_a_system_right_on_30_percent_of_lines_is_significantly_better(method):
     refs, wrong = sentences(200, 3), sentences(200, 4)
     better = [r if i % 10 < 3 else w for i, (r, w) in enumerate(zip(refs, wrong))]
-    result = compare([("none right", wrong), ("30% right", better)], refs, method=method, samples=500)
+    result = compare(
+        [("none right", wrong), ("30% right", better)], refs, method=method, samples=500
+    )
     bleu = result["metrics"]["BLEU"]["systems"][1]
     assert bleu["delta"] > 0 and bleu["p_value"] < 0.05
 
@@ -59,9 +63,13 @@ def test_several_references_count_a_match_with_either():
 def test_tokenized_bleu_ignores_case_and_tokenizes_punctuation():
     refs = ["Ein Mann, der etwas anstarrt.", "Zwei Hunde spielen im Schnee."]
     cased = ["Ein Mann , der etwas anstarrt .", "Zwei Hunde spielen im Schnee."]
-    assert paper_bleu([h.lower() for h in cased], refs, "de")["tokenized_bleu"] == \
-        paper_bleu(cased, refs, "de")["tokenized_bleu"] == pytest.approx(100)
-    assert score(cased, refs, names=("bleu",))["bleu"] == pytest.approx(100)  # 13a splits the punctuation too
+    assert (
+        paper_bleu([h.lower() for h in cased], refs, "de")["tokenized_bleu"]
+        == paper_bleu(cased, refs, "de")["tokenized_bleu"]
+        == pytest.approx(100)
+    )
+    # 13a splits the punctuation too
+    assert score(cased, refs, names=("bleu",))["bleu"] == pytest.approx(100)
     assert "not sacreBLEU" in paper_bleu(cased, refs, "de")["tokenized_bleu_description"]
 
 
@@ -82,7 +90,10 @@ def test_the_bleu_tokenizer_follows_the_target_language():
     assert "tok:ja-mecab" in score(["猫"], ["猫"], names=("bleu",), lang="ja")["bleu_signature"]
     assert "tok:zh" in score(["猫"], ["猫"], names=("bleu",), lang="zh")["bleu_signature"]
     assert "tok:13a" in score(["cat"], ["cat"], names=("bleu",), lang="de")["bleu_signature"]
-    assert "tok:char" in score(["cat"], ["cat"], names=("bleu",), lang="ja", tokenize="char")["bleu_signature"]
+    assert (
+        "tok:char"
+        in score(["cat"], ["cat"], names=("bleu",), lang="ja", tokenize="char")["bleu_signature"]
+    )
     assert "asian:yes" in score(["猫"], ["猫"], names=("ter",), lang="ja")["ter_signature"]
 
 

@@ -12,7 +12,15 @@ D, H, FF, V = 32, 4, 64, 50
 
 
 def small_cfg(**kw) -> ModelConfig:
-    base = dict(d_model=D, heads=H, encoder_layers=2, decoder_layers=2, d_ff=FF, dropout=0.0, max_positions=64)
+    base = dict(
+        d_model=D,
+        heads=H,
+        encoder_layers=2,
+        decoder_layers=2,
+        d_ff=FF,
+        dropout=0.0,
+        max_positions=64,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -57,8 +65,14 @@ def test_self_attention_matches_nn_multihead_attention(gen, use_padding, use_cau
     mask = padding_mask(ids)  # (B, 1, 1, T), True = attend
     if use_causal:
         mask = mask & causal_mask(T)
-    ref_out, _ = ref(x, x, x, key_padding_mask=(ids == PAD) if use_padding else None,
-                     attn_mask=~causal_mask(T) if use_causal else None, need_weights=False)
+    ref_out, _ = ref(
+        x,
+        x,
+        x,
+        key_padding_mask=(ids == PAD) if use_padding else None,
+        attn_mask=~causal_mask(T) if use_causal else None,
+        need_weights=False,
+    )
     out, _ = ours(x, mask=mask)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
 
@@ -81,18 +95,36 @@ def test_cross_attention_matches_nn_multihead_attention(gen):
 def reference_transformer(model: Transformer, norm: str) -> nn.Transformer:
     """nn.Transformer with our weights; the paper's post-norm stack has no final LayerNorm."""
     cfg = model.cfg
-    ref = nn.Transformer(cfg.d_model, cfg.heads, cfg.encoder_layers, cfg.decoder_layers, cfg.d_ff, dropout=0.0,
-                         batch_first=True, norm_first=norm == "pre").eval()
+    ref = nn.Transformer(
+        cfg.d_model,
+        cfg.heads,
+        cfg.encoder_layers,
+        cfg.decoder_layers,
+        cfg.d_ff,
+        dropout=0.0,
+        batch_first=True,
+        norm_first=norm == "pre",
+    ).eval()
     with torch.no_grad():
         for o, r in zip(model.encoder.layers, ref.encoder.layers):
             copy_into_reference(o.self_attn, r.self_attn)
-            for a, b in ((o.ff.w1, r.linear1), (o.ff.w2, r.linear2), (o.norm1, r.norm1), (o.norm2, r.norm2)):
+            for a, b in (
+                (o.ff.w1, r.linear1),
+                (o.ff.w2, r.linear2),
+                (o.norm1, r.norm1),
+                (o.norm2, r.norm2),
+            ):
                 b.load_state_dict(a.state_dict())
         for o, r in zip(model.decoder.layers, ref.decoder.layers):
             copy_into_reference(o.self_attn, r.self_attn)
             copy_into_reference(o.cross_attn, r.multihead_attn)
-            for a, b in ((o.ff.w1, r.linear1), (o.ff.w2, r.linear2), (o.norm1, r.norm1), (o.norm2, r.norm2),
-                         (o.norm3, r.norm3)):
+            for a, b in (
+                (o.ff.w1, r.linear1),
+                (o.ff.w2, r.linear2),
+                (o.norm1, r.norm1),
+                (o.norm2, r.norm2),
+                (o.norm3, r.norm3),
+            ):
                 b.load_state_dict(a.state_dict())
         if norm == "pre":
             ref.encoder.norm.load_state_dict(model.encoder.norm.state_dict())
@@ -122,13 +154,15 @@ def test_encoder_decoder_matches_nn_transformer(gen, norm):
     real = src_ids != PAD
     torch.testing.assert_close(memory[real], ref_memory[real], atol=1e-5, rtol=1e-5)
     out = model.decoder(y, memory, padding_mask(src_ids))
-    ref_out = ref.decoder(y, memory, tgt_mask=~causal_mask(T), memory_key_padding_mask=src_ids == PAD)
+    ref_out = ref.decoder(
+        y, memory, tgt_mask=~causal_mask(T), memory_key_padding_mask=src_ids == PAD
+    )
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_output_layer_keeps_the_rest_fp32_and_agrees_with_fp32(gen):
-    """output_dtype (precision bf16-output): only the (B, T, V) projection runs in bf16; logits and gradients
-    agree with fp32 within bf16's 8-bit mantissa, and the weights' gradients stay fp32."""
+    """output_dtype (precision bf16-output): only the (B, T, V) projection runs in bf16; logits and
+    gradients agree with fp32 within bf16's 8-bit mantissa, and the weights' gradients stay fp32."""
     torch.manual_seed(0)
     model = Transformer(small_cfg(), V, V, joint_vocab=True)
     src, tgt = random_ids(3, 7, [7, 5, 2], gen), random_ids(3, 6, [6, 6, 3], gen)
@@ -138,7 +172,9 @@ def test_bf16_output_layer_keeps_the_rest_fp32_and_agrees_with_fp32(gen):
     model.zero_grad()
     model.output_dtype = torch.bfloat16
     out = model(src, tgt)
-    assert out.dtype == torch.bfloat16 and model.decode(tgt, *model.encode(src)).dtype == torch.float32
+    assert (
+        out.dtype == torch.bfloat16 and model.decode(tgt, *model.encode(src)).dtype == torch.float32
+    )
     torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.02)
     out.float().square().mean().backward()
     for n, p in model.named_parameters():
@@ -147,8 +183,11 @@ def test_bf16_output_layer_keeps_the_rest_fp32_and_agrees_with_fp32(gen):
 
 
 def test_parameter_count_matches_formula():
-    """3+3 layers, d 256, FFN 1024, pre-norm, joint tied vocab of 8001: the peers' kit counts 7,578,880."""
-    cfg = ModelConfig(d_model=256, heads=4, encoder_layers=3, decoder_layers=3, d_ff=1024, norm="pre")
+    """3+3 layers, d 256, FFN 1024, pre-norm, joint tied vocab of 8001: the peers' kit counts
+    7,578,880."""
+    cfg = ModelConfig(
+        d_model=256, heads=4, encoder_layers=3, decoder_layers=3, d_ff=1024, norm="pre"
+    )
     assert Transformer(cfg, 8001, 8001, joint_vocab=True).num_parameters() == 7_578_880
 
 
@@ -188,7 +227,7 @@ def test_kv_cache_matches_full_forward_at_every_step(gen, norm):
         memory, src_mask = model.encode(src)
         cache = model.new_cache()
         for t in range(tgt_in.size(1)):
-            step = model.decode_step(tgt_in[:, t:t + 1], memory, src_mask, cache)  # (3, V)
+            step = model.decode_step(tgt_in[:, t : t + 1], memory, src_mask, cache)  # (3, V)
             torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
         assert cache.length == tgt_in.size(1)
 
@@ -207,7 +246,7 @@ def test_kv_cache_reorder_follows_rows(gen):
         cache.reorder(index)
         memory, src_mask = memory[index], src_mask[index]
         for t in range(1, tgt_in.size(1)):
-            step = model.decode_step(tgt_in[index, t:t + 1], memory, src_mask, cache)
+            step = model.decode_step(tgt_in[index, t : t + 1], memory, src_mask, cache)
             torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
 
 
@@ -215,7 +254,8 @@ def test_padding_does_not_change_outputs(gen):
     torch.manual_seed(0)
     model = Transformer(small_cfg(), V, V, joint_vocab=True).eval()
     src = random_ids(2, 9, [9, 4], gen)
-    tgt_in = torch.cat([torch.full((2, 1), BOS), random_ids(2, 7, [7, 3], gen)], dim=1)  # row 1: 4 real
+    # row 1: 4 real
+    tgt_in = torch.cat([torch.full((2, 1), BOS), random_ids(2, 7, [7, 3], gen)], dim=1)
     with torch.no_grad():
         batched = model(src, tgt_in)
         alone = model(src[1:, :4], tgt_in[1:, :4])
@@ -230,8 +270,9 @@ def test_padding_does_not_change_outputs(gen):
         x2 = x.clone()
         x2[1, 4:] = torch.randn(5, D, generator=gen) * 10
         real = src != PAD
-        torch.testing.assert_close(model.encoder(x2, mask)[real], model.encoder(x, mask)[real],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            model.encoder(x2, mask)[real], model.encoder(x, mask)[real], atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3])
@@ -254,9 +295,9 @@ def test_dropout_drops_at_its_rate_and_keeps_the_mean(p):
 
 @pytest.mark.parametrize("p", [0.001, 0.1, 0.3])
 def test_dropout_rate_is_exact_not_rounded_to_256ths(p):
-    """Defect 6: the byte-mask dropout rounded p to k/256 (0.1 -> 0.1016) and dropped nothing below 1/512.
-    Enough elements that the measured rate has a relative standard error of 0.2%: a 1% error in the rate
-    lands 2.5 standard errors outside the 0.5% tolerance."""
+    """Defect 6: the byte-mask dropout rounded p to k/256 (0.1 -> 0.1016) and dropped nothing below
+    1/512. Enough elements that the measured rate has a relative standard error of 0.2%: a 1% error
+    in the rate lands 2.5 standard errors outside the 0.5% tolerance."""
     from transformer_mt.model import Dropout
 
     n = int((1 - p) / (p * 0.002**2))  # relative standard error sqrt((1 - p) / (p n)) = 0.2%
@@ -269,9 +310,9 @@ def test_dropout_rate_is_exact_not_rounded_to_256ths(p):
 
 
 def test_train_flops_matches_pytorch_flop_counter(gen):
-    """Without padding, our analytic count equals torch's FlopCounterMode on the forward pass (x3 for
-    training) for every matrix multiply; the counter does not see the CPU attention kernel, so the
-    attention terms are added here by hand: QK^T and AV cost 2*2*d per query-key pair."""
+    """Without padding, our analytic count equals torch's FlopCounterMode on the forward pass (x3
+    for training) for every matrix multiply; the counter does not see the CPU attention kernel, so
+    the attention terms are added here by hand: QK^T and AV cost 2*2*d per query-key pair."""
     from torch.utils.flop_counter import FlopCounterMode
 
     cfg = small_cfg(encoder_layers=2, decoder_layers=3)
@@ -281,4 +322,6 @@ def test_train_flops_matches_pytorch_flop_counter(gen):
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(src, tgt)
     pairs = cfg.encoder_layers * B * S * S + cfg.decoder_layers * B * (T * (T + 1) // 2 + T * S)
-    assert model.train_flops(src, tgt) / 3 == pytest.approx(counter.get_total_flops() + 4 * D * pairs, rel=1e-9)
+    assert model.train_flops(src, tgt) / 3 == pytest.approx(
+        counter.get_total_flops() + 4 * D * pairs, rel=1e-9
+    )

@@ -1,4 +1,5 @@
-"""Nothing lost, nothing let in: resume, interrupts, atomic and safe checkpoints, bad input (issue 5)."""
+"""Nothing lost, nothing let in: resume, interrupts, atomic and safe checkpoints, bad input (issue
+5)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,28 @@ def write_corpus(folder: Path, n_train: int = 300, seed: int = 0) -> Path:
     for split, n in (("train", n_train), ("valid", 10), ("test", 10)):
         lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 7))) for _ in range(n)]
         (folder / f"{split}.en").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
-        (folder / f"{split}.de").write_text("".join(x.upper() + "\n" for x in lines), encoding="utf-8")
+        (folder / f"{split}.de").write_text(
+            "".join(x.upper() + "\n" for x in lines), encoding="utf-8"
+        )
     return folder
 
 
 def write_config(path: Path, corpus: Path, run: Path, **train) -> Path:
-    settings = {"max_steps": 60, "valid_every": 10, "log_every": 5, "max_tokens": 512, "warmup": 10,
-                "threads": 1, "keep_last": 2, "device": "cpu", "precision": "fp32", **train}  # auto: timed
-    path.write_text(textwrap.dedent(f"""\
+    settings = {
+        "max_steps": 60,
+        "valid_every": 10,
+        "log_every": 5,
+        "max_tokens": 512,
+        "warmup": 10,
+        # auto: timed
+        "threads": 1,
+        "keep_last": 2,
+        "device": "cpu",
+        "precision": "fp32",
+        **train,
+    }
+    path.write_text(
+        textwrap.dedent(f"""\
         data: {{src_lang: en, tgt_lang: de, train: {corpus}/train, valid: {corpus}/valid, test: {corpus}/test}}
         tokenizer: {{vocab_size: 60}}
         model: {{d_model: 32, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 64, max_positions: 64,
@@ -45,14 +60,22 @@ def write_config(path: Path, corpus: Path, run: Path, **train) -> Path:
         decode: {{beam: 2, max_len_b: 5}}
         output_dir: {run}
         train: {{{", ".join(f"{k}: {v}" for k, v in settings.items())}}}
-        """), encoding="utf-8")
+        """),
+        encoding="utf-8",
+    )
     return path
 
 
 def tmt(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "transformer_mt", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "transformer_mt", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,
+    )
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -103,9 +126,14 @@ def test_sigkill_then_resume_gives_bit_identical_weights(tmp_path):
     assert resumed.returncode == 0, err[-2000:]
     assert "resumed from" in err and f"step {resumed_from}" in err
 
-    a, b = weights(tmp_path / "a" / "checkpoints" / "last.pt"), weights(tmp_path / "b" / "checkpoints" / "last.pt")
+    a, b = (
+        weights(tmp_path / "a" / "checkpoints" / "last.pt"),
+        weights(tmp_path / "b" / "checkpoints" / "last.pt"),
+    )
     assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    assert all(torch.equal(a[k], b[k]) for k in a), (
+        "resumed weights differ from the uninterrupted run"
+    )
     after_a = {s: v for s, v in scalars(tmp_path / "a").items() if s > resumed_from}
     after_b = scalars(tmp_path / "b")
     assert after_a and after_a == {s: v for s, v in after_b.items() if s > resumed_from}
@@ -113,7 +141,9 @@ def test_sigkill_then_resume_gives_bit_identical_weights(tmp_path):
 
 def test_sigint_finishes_the_step_saves_last_and_exits_nonzero(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
-    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "c", max_steps=100000, valid_every=10)
+    cfg = write_config(
+        tmp_path / "c.yaml", corpus, tmp_path / "c", max_steps=100000, valid_every=10
+    )
     proc = tmt("train", str(cfg))
     wait_for(tmp_path / "c" / "checkpoints" / "step_10.pt", proc)
     proc.send_signal(signal.SIGINT)
@@ -153,34 +183,52 @@ def test_resume_with_another_model_config_says_so(tmp_path, capsys):
 
 
 def test_resume_from_an_averaged_checkpoint_names_the_file_that_resumes(tmp_path, capsys):
-    """Issue 22, item 8: best.pt (when the average won) and averaged.pt hold weights only: --resume on them was a
-    KeyError traceback; now one line naming checkpoints/last.pt, exit 2."""
+    """Issue 22, item 8: best.pt (when the average won) and averaged.pt hold weights only: --resume
+    on them was a KeyError traceback; now one line naming checkpoints/last.pt, exit 2."""
     corpus = write_corpus(tmp_path / "corpus")
-    cfg = write_config(tmp_path / "v.yaml", corpus, tmp_path / "v", max_steps=4, valid_every=2, average_last=2)
+    cfg = write_config(
+        tmp_path / "v.yaml", corpus, tmp_path / "v", max_steps=4, valid_every=2, average_last=2
+    )
     assert main(["-q", "train", str(cfg)]) == 0
     ckpt_dir = tmp_path / "v" / "checkpoints"
-    shutil.copy(ckpt_dir / "averaged.pt", ckpt_dir / "best.pt")  # as when the average validates best
+    # as when the average validates best
+    shutil.copy(ckpt_dir / "averaged.pt", ckpt_dir / "best.pt")
     capsys.readouterr()
     for name in ("averaged.pt", "best.pt"):
-        _one_line_error(capsys, ["-q", "train", str(cfg), "--resume", str(ckpt_dir / name)], name, "weights only",
-                        str(ckpt_dir.resolve() / "last.pt"))
+        _one_line_error(
+            capsys,
+            ["-q", "train", str(cfg), "--resume", str(ckpt_dir / name)],
+            name,
+            "weights only",
+            str(ckpt_dir.resolve() / "last.pt"),
+        )
 
 
-# max_epochs validating at every step: the last save then comes from inside the loop, before the stream has moved
-# the epoch counter past the last epoch.
-@pytest.mark.parametrize("limit", [{"max_steps": 4, "valid_every": 2},
-                                   {"max_epochs": 1, "valid_every": 1, "valid_bleu": "false"}],
-                         ids=["max_steps", "max_epochs"])
+# max_epochs validating at every step: the last save then comes from inside the loop, before the
+# stream has moved the epoch counter past the last epoch.
+@pytest.mark.parametrize(
+    "limit",
+    [
+        {"max_steps": 4, "valid_every": 2},
+        {"max_epochs": 1, "valid_every": 1, "valid_bleu": "false"},
+    ],
+    ids=["max_steps", "max_epochs"],
+)
 def test_resume_of_a_finished_run_trains_nothing_and_rewrites_nothing(tmp_path, limit):
-    """Issue 22, item 8: a resume at max_steps trained update max_steps + 1, rewrote last.pt and averaged again;
-    one after the last epoch validated and wrote its checkpoints again (the epoch counter moves on lazily)."""
+    """Issue 22, item 8: a resume at max_steps trained update max_steps + 1, rewrote last.pt and
+    averaged again; one after the last epoch validated and wrote its checkpoints again (the epoch
+    counter moves on lazily)."""
     corpus = write_corpus(tmp_path / "corpus")
-    cfg = write_config(tmp_path / "f.yaml", corpus, tmp_path / "f", average_last=2, save_every=1, **limit)
+    cfg = write_config(
+        tmp_path / "f.yaml", corpus, tmp_path / "f", average_last=2, save_every=1, **limit
+    )
     assert main(["-q", "train", str(cfg)]) == 0
     run = tmp_path / "f"
 
     def files():
-        return {p.relative_to(run): (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*.pt")}
+        return {
+            p.relative_to(run): (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*.pt")
+        }
 
     before, events = files(), sorted((run / "tb").glob("events.*"))
     assert main(["-q", "train", str(cfg), "--resume"]) == 0
@@ -240,7 +288,10 @@ def test_checkpoint_with_another_tokenizer_says_so(tmp_path, capsys):
     assert main(["-q", "train", str(cfg2)]) == 0
     (tmp_path / "g" / "spm.model").write_bytes((tmp_path / "h" / "spm.model").read_bytes())
     capsys.readouterr()
-    assert main(["translate", "--checkpoint", str(tmp_path / "g"), "--input", str(corpus / "test.en")]) == 2
+    assert (
+        main(["translate", "--checkpoint", str(tmp_path / "g"), "--input", str(corpus / "test.en")])
+        == 2
+    )
     assert "tokenizer" in capsys.readouterr().err
 
 
@@ -256,14 +307,17 @@ def _one_line_error(capsys, argv, *needles) -> None:
         assert needle in last, (needle, err)
 
 
-@pytest.mark.parametrize("yaml_text, needles", [
-    ("model:\n  d_model: 64\n  heads: 4: 5\n", ["bad.yaml:3", "invalid YAML"]),
-    ("model:\n  d_modle: 64\n", ["bad.yaml:2", "model.d_modle", "did you mean d_model"]),
-    ("train:\n  max_steps: many\n", ["bad.yaml:2", "train.max_steps", "integer"]),
-    ("model:\n  dropout: 1.5\n", ["bad.yaml:2", "model.dropout", "[0, 1)"]),
-    ("model:\n  d_model: 100\n  heads: 8\n", ["model.d_model", "divisible by model.heads"]),
-    ("decode:\n  beam: 0\n", ["bad.yaml:2", "decode.beam", ">= 1"]),
-])
+@pytest.mark.parametrize(
+    "yaml_text, needles",
+    [
+        ("model:\n  d_model: 64\n  heads: 4: 5\n", ["bad.yaml:3", "invalid YAML"]),
+        ("model:\n  d_modle: 64\n", ["bad.yaml:2", "model.d_modle", "did you mean d_model"]),
+        ("train:\n  max_steps: many\n", ["bad.yaml:2", "train.max_steps", "integer"]),
+        ("model:\n  dropout: 1.5\n", ["bad.yaml:2", "model.dropout", "[0, 1)"]),
+        ("model:\n  d_model: 100\n  heads: 8\n", ["model.d_model", "divisible by model.heads"]),
+        ("decode:\n  beam: 0\n", ["bad.yaml:2", "decode.beam", ">= 1"]),
+    ],
+)
 def test_config_errors(tmp_path, capsys, yaml_text, needles):
     (tmp_path / "bad.yaml").write_text(yaml_text)
     _one_line_error(capsys, ["train", str(tmp_path / "bad.yaml")], *needles)
@@ -297,9 +351,16 @@ def test_invalid_utf8_can_be_replaced_and_counted(tmp_path, caplog):
 
 
 def test_checkpoint_path_errors(tmp_path, capsys):
-    _one_line_error(capsys, ["evaluate", "--checkpoint", str(tmp_path / "nope.pt")], "not found", "nope.pt")
+    _one_line_error(
+        capsys, ["evaluate", "--checkpoint", str(tmp_path / "nope.pt")], "not found", "nope.pt"
+    )
     (tmp_path / "notes.pt").write_text("just text\n")
-    _one_line_error(capsys, ["evaluate", "--checkpoint", str(tmp_path / "notes.pt")], "notes.pt", "not a loadable")
+    _one_line_error(
+        capsys,
+        ["evaluate", "--checkpoint", str(tmp_path / "notes.pt")],
+        "notes.pt",
+        "not a loadable",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -311,11 +372,28 @@ def small_run(tmp_path_factory):
     return root
 
 
-def test_overlong_translate_line_is_truncated_with_a_warning_and_stays_aligned(small_run, tmp_path, capsys):
+def test_overlong_translate_line_is_truncated_with_a_warning_and_stays_aligned(
+    small_run, tmp_path, capsys
+):
     src = tmp_path / "in.txt"
     src.write_text("alpha beta\n" + " ".join(["gamma"] * 500) + "\n\ndelta\n")
     out = tmp_path / "out.txt"
-    assert main(["translate", "-c", str(small_run / "run"), "-i", str(src), "-o", str(out), "--beam", "1"]) == 0
+    assert (
+        main(
+            [
+                "translate",
+                "-c",
+                str(small_run / "run"),
+                "-i",
+                str(src),
+                "-o",
+                str(out),
+                "--beam",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "truncated" in capsys.readouterr().err
     lines = out.read_text().split("\n")
     assert len(lines) == 5 and lines[2] == "" and lines[4] == ""
@@ -346,11 +424,27 @@ def test_translate_streams_100k_lines_in_bounded_chunks(small_run):
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus")
-    cfg = write_config(tmp_path / "n.yaml", corpus, tmp_path / "n", max_steps=4, valid_every=2, log_every=1)
+    cfg = write_config(
+        tmp_path / "n.yaml", corpus, tmp_path / "n", max_steps=4, valid_every=2, log_every=1
+    )
     assert main(["-q", "train", str(cfg)]) == 0
     # An absurd learning rate overflows the weights within a few updates.
-    _one_line_error(capsys, ["-q", "train", str(cfg), "--resume", "--set", "train.lr_factor=1e39",
-                             "--set", "train.max_steps=200"], "loss became", "between steps", "last.pt")
+    _one_line_error(
+        capsys,
+        [
+            "-q",
+            "train",
+            str(cfg),
+            "--resume",
+            "--set",
+            "train.lr_factor=1e39",
+            "--set",
+            "train.max_steps=200",
+        ],
+        "loss became",
+        "between steps",
+        "last.pt",
+    )
     last = load_checkpoint(tmp_path / "n" / "checkpoints" / "last.pt")
     assert last["step"] >= 4
     assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())

@@ -13,7 +13,8 @@ from transformer_mt.runtime import fastest_cpu_precision, minor_faults
 
 
 class FakeSteps:
-    """A step function whose cost per precision is read off a fake clock: each call advances it by that cost."""
+    """A step function whose cost per precision is read off a fake clock: each call advances it by
+    that cost."""
 
     def __init__(self, costs: dict[str, float]):
         self.costs, self.now, self.calls = costs, 0.0, []
@@ -35,8 +36,10 @@ def native_bf16(monkeypatch):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
 
 
-@pytest.mark.parametrize("costs, faster", [({"fp32": 0.03, "bf16": 0.02}, "bf16"),
-                                           ({"fp32": 0.02, "bf16": 0.03}, "fp32")])
+@pytest.mark.parametrize(
+    "costs, faster",
+    [({"fp32": 0.03, "bf16": 0.02}, "bf16"), ({"fp32": 0.02, "bf16": 0.03}, "fp32")],
+)
 def test_the_faster_precision_wins_and_the_random_stream_is_untouched(native_bf16, costs, faster):
     torch.manual_seed(7)
     expected_next = torch.rand(3)
@@ -44,18 +47,33 @@ def test_the_faster_precision_wins_and_the_random_stream_is_untouched(native_bf1
     steps = FakeSteps(costs)
     choice, seconds, skipped = fastest_cpu_precision(steps, repeats=2, clock=steps.clock)
     assert choice == faster and seconds == pytest.approx(costs) and not skipped
-    assert steps.calls.count("fp32") == steps.calls.count("bf16") == 3  # one warm-up and two timed each
-    torch.testing.assert_close(torch.rand(3), expected_next)  # the probe's draws did not shift the run's
+    # one warm-up and two timed each
+    assert steps.calls.count("fp32") == steps.calls.count("bf16") == 3
+    # the probe's draws did not shift the run's
+    torch.testing.assert_close(torch.rand(3), expected_next)
 
 
-@pytest.mark.parametrize("flags, capability, onednn_isa, why", [
-    ({"avx2", "fma"}, "AVX2", None, "no avx512_bf16 or amx_bf16"),  # an AVX2-only EPYC
-    ({"avx2", "avx512f", "avx512_bf16"}, "AVX2", None, "ATEN_CPU_CAPABILITY"),  # ATEN_CPU_CAPABILITY=avx2
-    ({"avx2", "avx512f", "amx_bf16"}, "AVX512", "AVX2", "ONEDNN_MAX_CPU_ISA=AVX2"),
-    ({"avx2", "avx512f", "avx512_bf16"}, "AVX512", "avx512_core", "ONEDNN_MAX_CPU_ISA=AVX512_CORE"),  # no BF16
-])
-def test_bf16_is_not_timed_where_the_cpu_emulates_it(monkeypatch, flags, capability, onednn_isa, why):
-    """Issue 22: bf16 steps took 4.5 s against fp32's 0.19 s on an AVX2 EPYC; the probe must not run them."""
+@pytest.mark.parametrize(
+    "flags, capability, onednn_isa, why",
+    [
+        ({"avx2", "fma"}, "AVX2", None, "no avx512_bf16 or amx_bf16"),  # an AVX2-only EPYC
+        # ATEN_CPU_CAPABILITY=avx2
+        ({"avx2", "avx512f", "avx512_bf16"}, "AVX2", None, "ATEN_CPU_CAPABILITY"),
+        ({"avx2", "avx512f", "amx_bf16"}, "AVX512", "AVX2", "ONEDNN_MAX_CPU_ISA=AVX2"),
+        # no BF16
+        (
+            {"avx2", "avx512f", "avx512_bf16"},
+            "AVX512",
+            "avx512_core",
+            "ONEDNN_MAX_CPU_ISA=AVX512_CORE",
+        ),
+    ],
+)
+def test_bf16_is_not_timed_where_the_cpu_emulates_it(
+    monkeypatch, flags, capability, onednn_isa, why
+):
+    """Issue 22: bf16 steps took 4.5 s against fp32's 0.19 s on an AVX2 EPYC; the probe must not run
+    them."""
     monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     if onednn_isa is None:
@@ -64,15 +82,25 @@ def test_bf16_is_not_timed_where_the_cpu_emulates_it(monkeypatch, flags, capabil
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_isa)
     assert not runtime.cpu_has_native_bf16() and why in runtime.cpu_bf16_obstacle()
     steps = FakeSteps({"fp32": 1.0, "bf16-output": 0.5, "bf16": 0.1})
-    choice, seconds, skipped = fastest_cpu_precision(steps, candidates=("fp32", "bf16-output", "bf16"),
-                                                     clock=steps.clock)
+    choice, seconds, skipped = fastest_cpu_precision(
+        steps, candidates=("fp32", "bf16-output", "bf16"), clock=steps.clock
+    )
     assert steps.calls == []  # no warm-up of a bf16 candidate, and fp32 alone left: nothing to time
     assert choice == "fp32" and seconds == {}
-    assert set(skipped) == {"bf16-output", "bf16"} and all(why in reason for reason in skipped.values())
+    assert set(skipped) == {"bf16-output", "bf16"} and all(
+        why in reason for reason in skipped.values()
+    )
 
 
-@pytest.mark.parametrize("capability, onednn_isa", [("AVX512", None), ("AVX512", "ALL"), ("AVX512", "AVX512_CORE_AMX"),
-                                                    ("AVX512", "AVX512_CORE_BF16")])
+@pytest.mark.parametrize(
+    "capability, onednn_isa",
+    [
+        ("AVX512", None),
+        ("AVX512", "ALL"),
+        ("AVX512", "AVX512_CORE_AMX"),
+        ("AVX512", "AVX512_CORE_BF16"),
+    ],
+)
 def test_native_bf16_needs_the_flag_and_no_cap_below_it(monkeypatch, capability, onednn_isa):
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
@@ -84,31 +112,54 @@ def test_native_bf16_needs_the_flag_and_no_cap_below_it(monkeypatch, capability,
 
 
 def test_a_candidate_whose_first_step_is_slow_is_dropped_after_it(native_bf16):
-    """The probe is capped: a warm-up step over 2x fp32's ends that candidate's timing (fake clock, no real time)."""
+    """The probe is capped: a warm-up step over 2x fp32's ends that candidate's timing (fake clock,
+    no real time)."""
     steps = FakeSteps({"fp32": 1.0, "bf16-output": 0.8, "bf16": 2.5})
-    choice, seconds, skipped = fastest_cpu_precision(steps, candidates=("fp32", "bf16-output", "bf16"),
-                                                     clock=steps.clock)
+    choice, seconds, skipped = fastest_cpu_precision(
+        steps, candidates=("fp32", "bf16-output", "bf16"), clock=steps.clock
+    )
     assert steps.calls.count("bf16") == 1  # its warm-up only
     assert steps.calls.count("fp32") == steps.calls.count("bf16-output") == 3
     assert choice == "bf16-output" and set(seconds) == {"fp32", "bf16-output"}
-    assert list(skipped) == ["bf16"] and "2500 ms" in skipped["bf16"] and "2x fp32" in skipped["bf16"]
+    assert (
+        list(skipped) == ["bf16"] and "2500 ms" in skipped["bf16"] and "2x fp32" in skipped["bf16"]
+    )
     assert steps.now == pytest.approx(3 * 1.0 + 3 * 0.8 + 2.5)  # what the probe cost
 
 
-@pytest.mark.parametrize("bf16_seconds, output_seconds, chosen", [
-    (0.5, 0.8, "bf16"), (0.95, 0.97, "fp32"), (1.2, 1.1, "fp32"), (1.2, 0.8, "bf16-output"), (0.85, 0.7, "bf16-output")])
-def test_auto_takes_a_bf16_precision_only_when_clearly_faster(monkeypatch, caplog, bf16_seconds, output_seconds, chosen):
-    """The fastest of fp32, bf16 and bf16-output (fp32 with a bf16 output layer), but fp32 unless 10% slower."""
+@pytest.mark.parametrize(
+    "bf16_seconds, output_seconds, chosen",
+    [
+        (0.5, 0.8, "bf16"),
+        (0.95, 0.97, "fp32"),
+        (1.2, 1.1, "fp32"),
+        (1.2, 0.8, "bf16-output"),
+        (0.85, 0.7, "bf16-output"),
+    ],
+)
+def test_auto_takes_a_bf16_precision_only_when_clearly_faster(
+    monkeypatch, caplog, bf16_seconds, output_seconds, chosen
+):
+    """The fastest of fp32, bf16 and bf16-output (fp32 with a bf16 output layer), but fp32 unless
+    10% slower."""
     from transformer_mt.config import ModelConfig, TrainConfig
     from transformer_mt.distributed import Dist
     from transformer_mt.model import Transformer
 
     seconds = {"fp32": 1.0, "bf16": bf16_seconds, "bf16-output": output_seconds}
-    monkeypatch.setattr(train_module, "fastest_cpu_precision",
-                        lambda step, **kw: (min(seconds, key=seconds.get), seconds, {}))
-    model = Transformer(ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True)
+    monkeypatch.setattr(
+        train_module,
+        "fastest_cpu_precision",
+        lambda step, **kw: (min(seconds, key=seconds.get), seconds, {}),
+    )
+    model = Transformer(
+        ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True
+    )
     with caplog.at_level("INFO", logger="transformer_mt"):
-        assert train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu")) == chosen
+        assert (
+            train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu"))
+            == chosen
+        )
     assert f"training in {chosen}" in caplog.text and "1000 ms in fp32" in caplog.text
 
 
@@ -117,12 +168,16 @@ def test_the_probe_runs_a_real_training_step_in_each_precision():
     from transformer_mt.distributed import Dist
     from transformer_mt.model import Transformer
 
-    model = Transformer(ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True)
+    model = Transformer(
+        ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert train_module.choose_cpu_precision(model, TrainConfig(max_tokens=200), Dist(), torch.device("cpu")) in (
-        "fp32", "bf16", "bf16-output")
+    assert train_module.choose_cpu_precision(
+        model, TrainConfig(max_tokens=200), Dist(), torch.device("cpu")
+    ) in ("fp32", "bf16", "bf16-output")
     assert model.output_dtype is None  # the trainer sets it for the chosen precision, not the probe
-    assert all(p.grad is None for p in model.parameters())  # no gradient left behind for the first update
+    # no gradient left behind for the first update
+    assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])  # and no weight changed
 
@@ -133,41 +188,70 @@ def test_the_log_line_says_which_candidates_were_skipped_and_why(monkeypatch, ca
     from transformer_mt.distributed import Dist
     from transformer_mt.model import Transformer
 
-    monkeypatch.setattr(train_module, "fastest_cpu_precision", lambda step, **kw: (
-        "fp32", {"fp32": 0.188, "bf16-output": 0.432}, {"bf16": "its first step took 4534 ms, over 2x fp32's 190 ms"}))
-    model = Transformer(ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True)
+    monkeypatch.setattr(
+        train_module,
+        "fastest_cpu_precision",
+        lambda step, **kw: (
+            "fp32",
+            {"fp32": 0.188, "bf16-output": 0.432},
+            {"bf16": "its first step took 4534 ms, over 2x fp32's 190 ms"},
+        ),
+    )
+    model = Transformer(
+        ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True
+    )
     with caplog.at_level("INFO", logger="transformer_mt"):
-        assert train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu")) == "fp32"
-    assert "188 ms in fp32, 432 ms in bf16-output on this CPU; bf16 skipped (its first step took 4534 ms" in caplog.text
+        assert (
+            train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu"))
+            == "fp32"
+        )
+    assert (
+        "188 ms in fp32, 432 ms in bf16-output on this CPU; bf16 skipped (its first step took 4534 "
+        "ms" in caplog.text
+    )
     caplog.clear()
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "fma"})
-    monkeypatch.setattr(train_module, "fastest_cpu_precision", fastest_cpu_precision)  # the real probe
+    # the real probe
+    monkeypatch.setattr(train_module, "fastest_cpu_precision", fastest_cpu_precision)
     with caplog.at_level("INFO", logger="transformer_mt"):
-        assert train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu")) == "fp32"
-    assert ("precision auto: nothing timed; bf16-output skipped (no native bf16: the CPU has no avx512_bf16"
-            in caplog.text)
+        assert (
+            train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu"))
+            == "fp32"
+        )
+    assert (
+        "precision auto: nothing timed; bf16-output skipped (no native bf16: the CPU has no "
+        "avx512_bf16" in caplog.text
+    )
     assert "training in fp32" in caplog.text
 
 
 @pytest.mark.parametrize("src_vocab, tgt_vocab", [(30, 50), (50, 30)])
 def test_the_probe_runs_with_separate_vocabularies_of_two_sizes(src_vocab, tgt_vocab):
-    """Issue 22: with tokenizer.joint false the probe fed target ids as source ids: IndexError when the target
-    vocabulary is the larger. Source ids must stay within the source vocabulary, target ids within the target's."""
+    """Issue 22: with tokenizer.joint false the probe fed target ids as source ids: IndexError when
+    the target vocabulary is the larger. Source ids must stay within the source vocabulary, target
+    ids within the target's."""
     from transformer_mt.config import ModelConfig, TrainConfig
     from transformer_mt.distributed import Dist
     from transformer_mt.model import Transformer
 
-    model = Transformer(ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), src_vocab,
-                        tgt_vocab, False)
-    assert train_module.choose_cpu_precision(model, TrainConfig(max_tokens=96), Dist(), torch.device("cpu")) in (
-        "fp32", "bf16", "bf16-output")
+    model = Transformer(
+        ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32),
+        src_vocab,
+        tgt_vocab,
+        False,
+    )
+    assert train_module.choose_cpu_precision(
+        model, TrainConfig(max_tokens=96), Dist(), torch.device("cpu")
+    ) in ("fp32", "bf16", "bf16-output")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc are Linux's")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc are Linux's"
+)
 def test_malloc_keeps_freed_memory_so_big_tensors_stop_faulting():
-    """64 MB tensors allocated and freed thirty times: glibc mmaps and unmaps each (16,000 fresh pages a time)
-    unless keep_freed_memory() told it to keep them; then, once the heap has grown to its working size,
-    they reuse its pages. Run in fresh processes: mallopt is process-wide."""
+    """64 MB tensors allocated and freed thirty times: glibc mmaps and unmaps each (16,000 fresh
+    pages a time) unless keep_freed_memory() told it to keep them; then, once the heap has grown to
+    its working size, they reuse its pages. Run in fresh processes: mallopt is process-wide."""
     script = textwrap.dedent("""
         import sys, torch
         from transformer_mt.runtime import keep_freed_memory, minor_faults
@@ -180,16 +264,23 @@ def test_malloc_keeps_freed_memory_so_big_tensors_stop_faulting():
             torch.ones(16 * 1024 * 1024).sum()  # 64 MB, freed at once
         print(minor_faults() - before)
         """)
-    faults = {mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
-                                       check=True).stdout) for mode in ("default", "keep")}
+    faults = {
+        mode: int(
+            subprocess.run(
+                [sys.executable, "-c", script, mode], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        for mode in ("default", "keep")
+    }
     assert faults["default"] > 30 * 16000 * 0.9  # every 64 MB block came back as fresh pages
     assert faults["keep"] < faults["default"] / 6, faults  # at most a few more growths of the heap
     assert minor_faults() > 0
 
 
 def test_a_folder_renamed_into_place_has_a_plain_mkdirs_permissions(tmp_path):
-    """Exports and token-cache entries are filled in a temporary folder, then renamed: mkdtemp's 0700 made them
-    unreadable to any other user (a service account serving an export); they get what mkdir gives."""
+    """Exports and token-cache entries are filled in a temporary folder, then renamed: mkdtemp's
+    0700 made them unreadable to any other user (a service account serving an export); they get what
+    mkdir gives."""
     import os
 
     from transformer_mt.fileio import temp_dir

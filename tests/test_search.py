@@ -14,8 +14,16 @@ from transformer_mt.vocab import BOS, EOS, PAD, UNK
 
 def make_model(vocab: int, seed: int, sharpen: float = 3.0) -> Transformer:
     torch.manual_seed(seed)
-    cfg = ModelConfig(d_model=32, heads=4, encoder_layers=1, decoder_layers=2, d_ff=64, dropout=0.0,
-                      max_positions=64, tie_embeddings=False)
+    cfg = ModelConfig(
+        d_model=32,
+        heads=4,
+        encoder_layers=1,
+        decoder_layers=2,
+        d_ff=64,
+        dropout=0.0,
+        max_positions=64,
+        tie_embeddings=False,
+    )
     model = Transformer(cfg, vocab, vocab, joint_vocab=True).eval()
     with torch.no_grad():  # peakier distributions than at initialisation, so that choices matter
         model.generator.weight.mul_(sharpen)
@@ -27,7 +35,7 @@ def sources(B: int, S: int, vocab: int, seed: int) -> torch.Tensor:
     src = torch.randint(4, vocab, (B, S), generator=g)
     src[:, -1] = EOS
     for b in range(1, B):
-        src[b, S - 1 - b:] = PAD
+        src[b, S - 1 - b :] = PAD
         src[b, S - 1 - b] = EOS
     return src
 
@@ -83,8 +91,11 @@ def test_batched_beam_search_equals_one_sentence_at_a_time(vocab):
     src = sources(6, 9, vocab, 5)
     batched = best(beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=4))
     for b in range(src.size(0)):
-        row = src[b:b + 1, : int((src[b] != PAD).sum())]
-        assert best(beam_search(model, row, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=4))[0] == batched[b]
+        row = src[b : b + 1, : int((src[b] != PAD).sum())]
+        assert (
+            best(beam_search(model, row, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=4))[0]
+            == batched[b]
+        )
     assert len({tuple(h) for h in batched}) > 1
 
 
@@ -92,8 +103,10 @@ def test_outputs_respect_the_length_budget():
     model = make_model(40, 6)
     src = sources(4, 10, 40, 6)
     n_src = (src != PAD).sum(1)
-    for search in (lambda: greedy_search(model, src, max_len_a=0.5, max_len_b=2),
-                   lambda: beam_search(model, src, beam=3, max_len_a=0.5, max_len_b=2)):
+    for search in (
+        lambda: greedy_search(model, src, max_len_a=0.5, max_len_b=2),
+        lambda: beam_search(model, src, beam=3, max_len_a=0.5, max_len_b=2),
+    ):
         for hyp, n in zip(best(search()), n_src.tolist()):
             assert len(hyp) + 1 <= int(0.5 * n + 2)  # EOS counts toward the budget
             assert PAD not in hyp and BOS not in hyp and EOS not in hyp
@@ -105,7 +118,8 @@ def test_length_penalty_is_gnmt():
     assert length_penalty(10, 0.0) == 1.0
 
 
-@pytest.mark.parametrize("V, k", [(8000, 8), (1100, 8), (300, 2), (40, 8)])  # 1100, 300: a partial last block; 40: torch.topk
+# 1100, 300: a partial last block; 40: torch.topk
+@pytest.mark.parametrize("V, k", [(8000, 8), (1100, 8), (300, 2), (40, 8)])
 def test_topk_rows_equals_torch_topk(V, k):
     g = torch.Generator().manual_seed(V)
     x = torch.randn(37, V, generator=g)  # continuous values: no ties, so the indices are unique too
@@ -116,7 +130,8 @@ def test_topk_rows_equals_torch_topk(V, k):
     assert torch.equal(values, ref.values) and torch.equal(cols, ref.indices)
 
 
-# --------------------------------------------------------------------------- n-best, scores, ensembles, sampling
+# --------------------------------------------------------------------------- n-best, scores,
+# ensembles, sampling
 
 
 def forced(model, src_row: torch.Tensor, tokens: list[int]) -> list[float]:
@@ -138,7 +153,9 @@ def test_nbest_is_sorted_distinct_and_starts_with_the_one_best():
         assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
         assert len({tuple(h.tokens) for h in hyps}) == 3
         for h in hyps:  # the ranking score is the sentence log-probability over the GNMT penalty
-            assert h.score == pytest.approx(h.logprob / length_penalty(len(h.tokens) + 1, 0.6), rel=1e-5)
+            assert h.score == pytest.approx(
+                h.logprob / length_penalty(len(h.tokens) + 1, 0.6), rel=1e-5
+            )
 
 
 @pytest.mark.parametrize("how", ["greedy", "beam", "ensemble of one"])
@@ -151,10 +168,13 @@ def test_reported_logprobs_equal_forced_decoding(how):
     searched = Ensemble([model]) if how == "ensemble of one" else model
     src = sources(3, 7, 40, 8)
     beam = 1 if how == "greedy" else 4
-    found = (greedy_search(searched, src, max_len_a=1.0, max_len_b=5) if beam == 1
-             else beam_search(searched, src, beam=beam, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=2))
+    found = (
+        greedy_search(searched, src, max_len_a=1.0, max_len_b=5)
+        if beam == 1
+        else beam_search(searched, src, beam=beam, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=2)
+    )
     for b, hyps in enumerate(found):
-        row = src[b:b + 1, : int((src[b] != PAD).sum())]
+        row = src[b : b + 1, : int((src[b] != PAD).sum())]
         for h in hyps:
             expected = forced(model, row, h.tokens)
             assert len(h.token_logprobs) == len(h.tokens) + 1
@@ -168,7 +188,9 @@ def test_an_ensemble_of_one_model_twice_decodes_like_the_model():
     model = make_model(40, 9)
     src = sources(5, 8, 40, 9)
     single = beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5)
-    twice = beam_search(Ensemble([model, model]), src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5)
+    twice = beam_search(
+        Ensemble([model, model]), src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5
+    )
     assert best(twice) == best(single)
     assert [h[0].logprob for h in twice] == pytest.approx([h[0].logprob for h in single], abs=1e-5)
 
@@ -191,8 +213,16 @@ def test_sampling_is_deterministic_for_a_seed_and_greedy_at_temperature_zero():
     src = sources(6, 8, 40, 12)
 
     def draw(sampling: Sampling) -> list[list[int]]:
-        return best(greedy_search(model, src, max_len_a=1.0, max_len_b=6, sampling=sampling,
-                                  generator=sampling.generator(src.device)))
+        return best(
+            greedy_search(
+                model,
+                src,
+                max_len_a=1.0,
+                max_len_b=6,
+                sampling=sampling,
+                generator=sampling.generator(src.device),
+            )
+        )
 
     assert draw(Sampling(topk=0, seed=1)) == draw(Sampling(topk=0, seed=1))
     assert draw(Sampling(topk=0, seed=1)) != draw(Sampling(topk=0, seed=2))

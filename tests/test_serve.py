@@ -1,9 +1,11 @@
 """`tmt serve` through a real uvicorn server on a free loopback port: every endpoint, every refusal,
-batching that changes no output, a graceful SIGTERM, and (marked browser) the page in headless Chromium.
+batching that changes no output, a graceful SIGTERM, and (marked browser) the page in headless
+Chromium.
 
-Where a test needs the model's worker busy, it does not race a long request against the clock: the server runs
-in this process around the tiny model behind a gate (`Gated`), whose calls wait for a threading.Event, and the
-test waits for what /health reports before it goes on. (The batcher alone: test_serve_batcher.py.)"""
+Where a test needs the model's worker busy, it does not race a long request against the clock: the
+server runs in this process around the tiny model behind a gate (`Gated`), whose calls wait for a
+threading.Event, and the test waits for what /health reports before it goes on. (The batcher alone:
+test_serve_batcher.py.)"""
 
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from test_cli import WORDS, random_lines, write_config, write_lines
+
 from transformer_mt.cli import main
 from transformer_mt.search import Cancelled
 
@@ -47,8 +49,17 @@ def run_dir(tmp_path_factory):
         src = random_lines(n, rng)
         write_lines(corpus / f"{split}.en", src)
         write_lines(corpus / f"{split}.de", src)
-    overrides = {"train.max_steps": 300, "train.valid_every": 1000, "train.valid_bleu": "false", "train.threads": 1,
-                 "train.lr_factor": 1.0, "train.warmup": 60, "model.d_model": 64, "model.d_ff": 128, "model.heads": 4}
+    overrides = {
+        "train.max_steps": 300,
+        "train.valid_every": 1000,
+        "train.valid_bleu": "false",
+        "train.threads": 1,
+        "train.lr_factor": 1.0,
+        "train.warmup": 60,
+        "model.d_model": 64,
+        "model.d_ff": 128,
+        "model.heads": 4,
+    }
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     assert main(["-q", "train", str(write_config(root, corpus, root / "run")), *sets]) == 0
     return root / "run"
@@ -71,9 +82,25 @@ def free_port() -> int:
 def server(run_dir: Path, *flags: str):
     """`tmt serve` in a subprocess, up once /health answers; stopped (SIGTERM) afterwards."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "transformer_mt", "serve", "-c", str(run_dir), "--port", str(port),
-                             "--device", "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transformer_mt",
+            "serve",
+            "-c",
+            str(run_dir),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -99,7 +126,9 @@ def server(run_dir: Path, *flags: str):
 def get(url: str) -> tuple[int, dict | str]:
     with urllib.request.urlopen(url, timeout=60) as r:
         body = r.read().decode()
-        return r.status, json.loads(body) if r.headers.get_content_type() == "application/json" else body
+        return r.status, json.loads(
+            body
+        ) if r.headers.get_content_type() == "application/json" else body
 
 
 def post(url: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict, Any]:
@@ -123,7 +152,8 @@ def heavy(n: int = 64, words: int = 30) -> list[str]:
 
 
 def wait_until(condition: Any, what: str, timeout: float = 60) -> None:
-    """Poll until `condition()` holds; the timeout only guards against a hang (a failure, never a verdict)."""
+    """Poll until `condition()` holds; the timeout only guards against a hang (a failure, never a
+    verdict)."""
     end = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > end:
@@ -137,8 +167,9 @@ def health(url: str) -> dict:
 
 
 class Gated:
-    """The tiny model's translator behind a gate: each translate() call is recorded, then waits for `release`
-    (set once, it lets every call through); `cancelled` counts searches stopped because nobody waited."""
+    """The tiny model's translator behind a gate: each translate() call is recorded, then waits for
+    `release` (set once, it lets every call through); `cancelled` counts searches stopped because
+    nobody waited."""
 
     def __init__(self, inner: Any):
         self.inner, self.calls, self.cancelled = inner, [], 0
@@ -160,14 +191,18 @@ class Gated:
 
 @contextmanager
 def in_process(gated: Gated, **limits: Any):
-    """create_app around `gated` on a uvicorn server in a thread of this process; the gate opens at the end."""
+    """create_app around `gated` on a uvicorn server in a thread of this process; the gate opens at
+    the end."""
     import uvicorn
 
     from transformer_mt.serve import Limits, create_app
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(gated, Limits(**limits)), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(gated, Limits(**limits)), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -190,21 +225,29 @@ def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir, tra
         assert "http://" not in page and "https://" not in page  # no CDN: the page works offline
         status, info = get(url + "/info")
         assert status == 200 and info["step"] == 300 and info["source_language"] == "en"
-        assert info["parameters"] > 0 and info["decode"]["beam"] == 2 and info["tokenizer"]["digest"]
+        assert (
+            info["parameters"] > 0 and info["decode"]["beam"] == 2 and info["tokenizer"]["digest"]
+        )
         assert info["checkpoint"] in ("run/best.pt", "run/last.pt") and info["run"] == "run"
-        assert str(run_dir.parent) not in json.dumps(info)  # no directory of the server's in what clients see
-        status, body, _ = post(url + "/translate", {"text": lines, "nbest": 2, "alignment": True, "attention": True})
+        # no directory of the server's in what clients see
+        assert str(run_dir.parent) not in json.dumps(info)
+        status, body, _ = post(
+            url + "/translate", {"text": lines, "nbest": 2, "alignment": True, "attention": True}
+        )
         assert status == 200
         got = body["translations"]
         assert [t["source"] for t in got] == lines
         assert [t["hypotheses"][0]["text"] for t in got] == alone(translator, lines, beam=2)
         assert all(len(t["hypotheses"]) == 2 and "alignment" in t["hypotheses"][0] for t in got)
-        assert sum(t["hypotheses"][0]["text"] == line for t, line in zip(got, lines)) >= 2  # it learned to copy
+        # it learned to copy
+        assert sum(t["hypotheses"][0]["text"] == line for t, line in zip(got, lines)) >= 2
         attention = got[0]["hypotheses"][0]["attention"]
         assert attention["source"] == lines[0].split()
         assert attention["target"] == got[0]["hypotheses"][0]["text"].split()
         assert len(attention["weights"]) == len(attention["target"])
-        status, body, _ = post(url + "/score", {"source": lines, "target": [t["hypotheses"][0]["text"] for t in got]})
+        status, body, _ = post(
+            url + "/score", {"source": lines, "target": [t["hypotheses"][0]["text"] for t in got]}
+        )
         assert status == 200 and body["perplexity"] > 1
         for s, t in zip(body["scores"], got):
             assert s["logprob"] == pytest.approx(t["hypotheses"][0]["logprob"], abs=1e-4)
@@ -212,7 +255,8 @@ def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir, tra
 
 
 def test_the_length_budget_and_alpha_are_per_request(translator):
-    """max_len [0, 2] allows one token and EOS: the copy is cut there, where the run's budget lets it go on."""
+    """max_len [0, 2] allows one token and EOS: the copy is cut there, where the run's budget lets
+    it go on."""
     line = "alpha beta gamma delta echo fox"
     gated = Gated(translator)
     gated.release.set()  # no gate here
@@ -242,7 +286,10 @@ BAD_REQUESTS = [
 
 
 def test_bad_requests_are_refused_with_a_reason_and_the_server_keeps_serving(run_dir):
-    with server(run_dir, "--max-lines", "8", "--max-body", "12000", "--max-work", "1000") as (url, _):
+    with server(run_dir, "--max-lines", "8", "--max-body", "12000", "--max-work", "1000") as (
+        url,
+        _,
+    ):
         for body, status, needle in BAD_REQUESTS:
             got, answer, _ = post(url + "/translate", body)
             assert (got, needle in answer["error"]) == (status, True), (body[:60], answer)
@@ -257,15 +304,19 @@ def test_a_full_queue_is_503_with_retry_after(translator):
             busy = pool.submit(post, url + "/translate", {"text": ["alpha"]})
             assert gated.entered.wait(60)  # the one place in the queue is taken
             status, answer, headers = post(url + "/translate", {"text": ["beta"]})
-            assert status == 503 and headers.get("Retry-After") == "1" and "queue is full" in answer["error"]
+            assert (
+                status == 503
+                and headers.get("Retry-After") == "1"
+                and "queue is full" in answer["error"]
+            )
             gated.release.set()
             assert busy.result()[0] == 200
         assert post(url + "/translate", {"text": ["gamma"]})[0] == 200
 
 
 def test_a_request_past_its_deadline_is_504_and_its_search_stopped(translator):
-    """Both requests outlive their deadline while the worker is held: the one in the model stops at its next
-    decoding step once the gate opens, the queued one never reaches the model."""
+    """Both requests outlive their deadline while the worker is held: the one in the model stops at
+    its next decoding step once the gate opens, the queued one never reaches the model."""
     gated = Gated(translator)
     with in_process(gated, deadline=0.5, batch_wait=0) as url:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -289,9 +340,13 @@ def test_a_client_that_disconnects_has_its_work_dropped(translator):
             busy = pool.submit(post, url + "/translate", {"text": ["alpha beta"]})
             assert gated.entered.wait(60)  # the worker is busy with that one
             body = json.dumps({"text": heavy(8)}).encode()
-            with socket.create_connection(("127.0.0.1", port)) as s:  # send, then leave without reading
-                s.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            # send, then leave without reading
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(
+                    b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
                 wait_until(lambda: health(url)["pending"] == 2, "the request to be queued")
             wait_until(lambda: health(url)["left"] == 1, "the server to see the client leave")
             gated.release.set()
@@ -299,7 +354,8 @@ def test_a_client_that_disconnects_has_its_work_dropped(translator):
         wait_until(lambda: health(url)["pending"] == 0, "the worker to drop it")
         stats = health(url)
     assert stats["dropped"] == 1 and stats["served"] == 1
-    assert [lines for lines, _ in gated.calls] == [["alpha beta"]]  # the left request never reached the model
+    # the left request never reached the model
+    assert [lines for lines, _ in gated.calls] == [["alpha beta"]]
 
 
 def test_32_concurrent_clients_get_what_each_would_get_alone(translator):
@@ -316,20 +372,27 @@ def test_32_concurrent_clients_get_what_each_would_get_alone(translator):
             assert busy.result()[0] == 200
         stats = health(url)
     assert all(a[0] == 200 for a in answers)
-    assert [a[1]["translations"][0]["hypotheses"][0]["text"] for a in answers] == alone(translator, lines, beam=2)
+    assert [a[1]["translations"][0]["hypotheses"][0]["text"] for a in answers] == alone(
+        translator, lines, beam=2
+    )
     assert stats["served"] == 33 and stats["batches"] == 2  # the 32 shared one model call
 
 
 def test_sigterm_finishes_the_request_in_flight_then_exits(run_dir):
-    """SIGTERM arrives while a request is in flight (its body half sent): the server stops accepting, answers
-    that request once its body is complete, then exits."""
+    """SIGTERM arrives while a request is in flight (its body half sent): the server stops
+    accepting, answers that request once its body is complete, then exits."""
     body = json.dumps({"text": ["alpha beta gamma"]}).encode()
     with server(run_dir) as (url, proc):
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
-            s.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
-            wait_until(lambda: get(url + "/health")[1]["receiving"] == 1, "the server to read the request")
+            s.sendall(
+                b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body[:10]
+            )
+            wait_until(
+                lambda: get(url + "/health")[1]["receiving"] == 1, "the server to read the request"
+            )
             proc.send_signal(signal.SIGTERM)
             wait_until(lambda: refuses(port), "the server to stop accepting")
             s.sendall(body[10:])
@@ -337,8 +400,12 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(run_dir):
             while chunk := s.recv(65536):
                 response += chunk
         assert response.startswith(b"HTTP/1.1 200"), response[:200]
-        assert json.loads(response.split(b"\r\n\r\n", 1)[1])["translations"][0]["source"] == "alpha beta gamma"
-        # uvicorn finishes the work, then lets SIGTERM end the process as usual (status 143 in a shell)
+        assert (
+            json.loads(response.split(b"\r\n\r\n", 1)[1])["translations"][0]["source"]
+            == "alpha beta gamma"
+        )
+        # uvicorn finishes the work, then lets SIGTERM end the process as usual (status 143 in a
+        # shell)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
 
 
@@ -356,7 +423,8 @@ def test_serve_without_the_extra_names_it(run_dir, monkeypatch, capsys):
     assert "transformer-mt[serve]" in capsys.readouterr().err
 
 
-# --------------------------------------------------------------------------- the page, in a real browser
+# --------------------------------------------------------------------------- the page, in a real
+# browser
 
 
 @pytest.mark.browser
@@ -367,27 +435,40 @@ def test_the_page_translates_in_headless_chromium_and_draws_the_heatmap(run_dir)
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    assert browser and driver, "install Debian's chromium and chromium-driver (make test-browser does)"
+    assert browser and driver, (
+        "install Debian's chromium and chromium-driver (make test-browser does)"
+    )
     options = webdriver.ChromeOptions()
     options.binary_location = browser
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,1400"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1100,1400",
+    ):
         options.add_argument(arg)
     with server(run_dir) as (url, _):
         page = webdriver.Chrome(service=Service(driver), options=options)
         try:
             page.get(url + "/")
-            WebDriverWait(page, 30).until(lambda p: "step 300" in p.find_element(By.ID, "model").text)
+            WebDriverWait(page, 30).until(
+                lambda p: "step 300" in p.find_element(By.ID, "model").text
+            )
             page.find_element(By.CSS_SELECTOR, "label[for=source]")  # the text box is labelled
             page.find_element(By.ID, "source").send_keys("alpha beta gamma delta")
             page.find_element(By.ID, "translate").click()
-            WebDriverWait(page, 60).until(lambda p: p.find_elements(By.CSS_SELECTOR, ".translation"))
+            WebDriverWait(page, 60).until(
+                lambda p: p.find_elements(By.CSS_SELECTOR, ".translation")
+            )
             shown = page.find_element(By.CSS_SELECTOR, ".translation").text
             assert shown == "alpha beta gamma delta"  # the model copies
             assert page.find_elements(By.CSS_SELECTOR, "ol.alternatives li")
             assert page.find_element(By.ID, "heatmap-section").is_displayed()
-            inked = page.execute_script("const c = document.getElementById('heatmap');"
-                                        "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-                                        "let n = 0; for (let i = 3; i < d.length; i += 4) n += d[i] > 0; return n;")
+            inked = page.execute_script(
+                "const c = document.getElementById('heatmap');"
+                "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+                "let n = 0; for (let i = 3; i < d.length; i += 4) n += d[i] > 0; return n;"
+            )
             assert inked > 100  # the heatmap was drawn
             out = ROOT / "runs" / "browser"
             out.mkdir(parents=True, exist_ok=True)
@@ -397,7 +478,8 @@ def test_the_page_translates_in_headless_chromium_and_draws_the_heatmap(run_dir)
 
 
 def test_a_bad_request_in_a_shared_batch_fails_alone(run_dir):
-    """A target too long to score is that request's 400; the requests batched with it are answered."""
+    """A target too long to score is that request's 400; the requests batched with it are
+    answered."""
     good = {"source": ["alpha beta"], "target": ["alpha beta"]}
     bad = {"source": ["alpha"], "target": [" ".join(["alpha"] * 200)]}  # over model.max_positions
     with server(run_dir, "--batch-wait", "0.5") as (url, _):
@@ -408,16 +490,23 @@ def test_a_bad_request_in_a_shared_batch_fails_alone(run_dir):
 
 
 def test_requests_held_for_another_batch_are_batched_together(translator):
-    """Requests with two sets of options queued together make two model calls, not one per request."""
+    """Requests with two sets of options queued together make two model calls, not one per
+    request."""
     gated = Gated(translator)
     with in_process(gated, batch_wait=0) as url:
         with concurrent.futures.ThreadPoolExecutor(9) as pool:
             busy = pool.submit(post, url + "/translate", {"text": ["alpha"]})
             assert gated.entered.wait(60)
-            bodies = [{"text": [line], "beam": 2 + i % 2} for i, line in enumerate(random_lines(8, random.Random(9)))]
+            bodies = [
+                {"text": [line], "beam": 2 + i % 2}
+                for i, line in enumerate(random_lines(8, random.Random(9)))
+            ]
             answers = [pool.submit(post, url + "/translate", body) for body in bodies]
             wait_until(lambda: health(url)["pending"] == 9, "the 8 requests to be queued")
             gated.release.set()
             assert busy.result()[0] == 200 and all(a.result()[0] == 200 for a in answers)
     assert len(gated.calls) == 3
-    assert sorted((options["beam"], len(lines)) for lines, options in gated.calls[1:]) == [(2, 4), (3, 4)]
+    assert sorted((options["beam"], len(lines)) for lines, options in gated.calls[1:]) == [
+        (2, 4),
+        (3, 4),
+    ]

@@ -1,7 +1,8 @@
-"""The server's batcher and request handling without a server or a model: a fake translator that records its
-calls and holds the worker on a threading.Event, and the Starlette app called in-process through ASGI. The
-work limit, the batch bounds, scheduling, cancellation between decoding steps, the worker's health, and
-bodies no parser should choke on; every verdict follows from the order of events, none from the clock."""
+"""The server's batcher and request handling without a server or a model: a fake translator that
+records its calls and holds the worker on a threading.Event, and the Starlette app called in-process
+through ASGI. The work limit, the batch bounds, scheduling, cancellation between decoding steps, the
+worker's health, and bodies no parser should choke on; every verdict follows from the order of
+events, none from the clock."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ class FakeTokenizer:
 
 
 class Fake:
-    """A translator without a model: each line's translation is the line upper-cased. It records every call,
-    and holds the worker in its first call until `release` is set when built with hold=True. With `steps`, a
-    call runs that many 'decoding steps', asking should_stop before each, and pauses before step `pause_at`
-    until `go` is set when a line reads "pause"."""
+    """A translator without a model: each line's translation is the line upper-cased. It records
+    every call, and holds the worker in its first call until `release` is set when built with
+    hold=True. With `steps`, a call runs that many 'decoding steps', asking should_stop before each,
+    and pauses before step `pause_at` until `go` is set when a line reads "pause"."""
 
     checkpoint = Path("/srv/secret/place/run7/checkpoints/best.pt")
     step, parameters, engine, precision, device, max_positions = (
@@ -64,9 +65,7 @@ class Fake:
         self.config = Config()
         self.decode, self.tokenizer = self.config.decode, FakeTokenizer()
         self.calls: list[tuple[list[str], dict[str, Any]]] = []
-        self.entered, self.release, self.paused, self.go = (
-            threading.Event() for _ in range(4)
-        )
+        self.entered, self.release, self.paused, self.go = (threading.Event() for _ in range(4))
         if not hold:
             self.release.set()
         self.steps, self.pause_at, self.steps_done = steps, pause_at, 0
@@ -83,10 +82,7 @@ class Fake:
             if should_stop is not None and should_stop():
                 raise Cancelled("stopped")
             self.steps_done += 1
-        return [
-            [Translation(line.upper(), line.split(), -1.0, -1.0, [-0.5])]
-            for line in lines
-        ]
+        return [[Translation(line.upper(), line.split(), -1.0, -1.0, [-0.5])] for line in lines]
 
     def score(self, sources: list[str], targets: list[str]) -> list[Scored]:
         self.calls.append((list(sources), {"targets": list(targets)}))
@@ -128,15 +124,15 @@ def limits(**changes: Any) -> Limits:
 
 
 async def settled(batcher: Batcher, pending: int = 0) -> dict[str, int]:
-    """The stats once the worker has nothing left (the futures are settled before a job leaves `pending`)."""
+    """The stats once the worker has nothing left (the futures are settled before a job leaves
+    `pending`)."""
     while batcher.snapshot()["pending"] != pending:
-        await asyncio.sleep(
-            0.001
-        )  # a poll: the worker's answers arrive through this loop
+        await asyncio.sleep(0.001)  # a poll: the worker's answers arrive through this loop
     return batcher.snapshot()
 
 
-# --------------------------------------------------------------------------- the work limit and its pricing
+# --------------------------------------------------------------------------- the work limit and its
+# pricing
 
 
 def test_work_is_beam_times_the_output_budget_of_each_line():
@@ -178,12 +174,8 @@ def test_a_request_over_the_work_limits_is_413_naming_the_flag_and_never_reaches
     )
     assert status == 413 and "--max-work" in body["error"] and "2,000" in body["error"]
     status, body = run(call(app, "/translate", {"text": ["word " * 60], "beam": 8}))
-    assert (
-        status == 413 and "--batch-work" in body["error"] and "line 1" in body["error"]
-    )
-    status, body = run(
-        call(app, "/score", {"source": ["a"] * 60, "target": ["word " * 60] * 60})
-    )
+    assert status == 413 and "--batch-work" in body["error"] and "line 1" in body["error"]
+    status, body = run(call(app, "/score", {"source": ["a"] * 60, "target": ["word " * 60] * 60}))
     assert status == 413 and "--max-work" in body["error"]
     assert fake.calls == []
 
@@ -192,8 +184,8 @@ def test_a_request_over_the_work_limits_is_413_naming_the_flag_and_never_reaches
 
 
 def test_no_call_gets_more_than_batch_lines_even_from_jobs_held_for_another_batch():
-    """Jobs of two kinds arriving while the worker is busy: the old worker held the second kind and later
-    batched all of them without the line bound."""
+    """Jobs of two kinds arriving while the worker is busy: the old worker held the second kind and
+    later batched all of them without the line bound."""
     fake = Fake(hold=True)
 
     async def scenario() -> None:
@@ -202,9 +194,7 @@ def test_no_call_gets_more_than_batch_lines_even_from_jobs_held_for_another_batc
         first = await submit(batcher, ["busy"])
         assert fake.entered.wait(WAIT)  # the worker is in its first call
         jobs = [
-            await submit(
-                batcher, [f"{k} {i} {j}" for j in range(3)], {"beam": 2 + k % 2}
-            )
+            await submit(batcher, [f"{k} {i} {j}" for j in range(3)], {"beam": 2 + k % 2})
             for i in range(6)
             for k in (0, 1)
         ]
@@ -216,9 +206,7 @@ def test_no_call_gets_more_than_batch_lines_even_from_jobs_held_for_another_batc
         )
         fake.release.set()
         assert texts(await first.future) == ["BUSY"]
-        for job in (
-            jobs
-        ):  # each request's lines come back whole and in order, however they were cut
+        for job in jobs:  # each request's lines come back whole and in order, however they were cut
             assert texts(await job.future) == [line.upper() for line in job.lines]
         assert [(s.source, s.target) for s in await score.future] == [
             (f"s{i}", f"t{i}") for i in range(5)
@@ -276,13 +264,12 @@ def test_a_long_request_is_served_in_chunks_and_a_short_one_rides_in_the_next_ca
     assert calls[1] == [
         "short"
     ]  # the least-served first, in a call of its own: no chunk of the long one
-    assert (
-        calls.index(["other options"]) <= 2
-    )  # not behind the rest of the long request
+    assert calls.index(["other options"]) <= 2  # not behind the rest of the long request
     assert all(len(lines) <= 3 for lines in calls)
 
 
-# --------------------------------------------------------------------------- stopping work nobody waits for
+# --------------------------------------------------------------------------- stopping work nobody
+# waits for
 
 
 @pytest.mark.parametrize("how", ["client left", "deadline passed"])
@@ -352,9 +339,7 @@ def test_the_search_asks_should_stop_between_steps_and_stops_at_once(beam):
     steps, asked = [], []
     decode_step = model.decode_step
 
-    def counted(
-        *args: Any, **kwargs: Any
-    ) -> Any:  # a step that never ends a sentence early
+    def counted(*args: Any, **kwargs: Any) -> Any:  # a step that never ends a sentence early
         steps.append(1)
         logits = decode_step(*args, **kwargs)
         logits[:, EOS] = -1e9
@@ -368,12 +353,7 @@ def test_the_search_asks_should_stop_between_steps_and_stops_at_once(beam):
     assert len(steps) == 2  # two steps ran, the third was never started
     steps.clear()
     assert (
-        len(
-            translate_ids(
-                model, ids, Config().decode, beam=beam, should_stop=lambda: False
-            )
-        )
-        == 2
+        len(translate_ids(model, ids, Config().decode, beam=beam, should_stop=lambda: False)) == 2
     )
     assert len(steps) >= 2
 
@@ -418,9 +398,7 @@ def test_an_unexpected_error_in_the_worker_fails_that_batch_and_the_worker_goes_
             loop.create_future(),
             loop,
         )
-        broken.key = lambda: (
-            1 / 0
-        )  # a bug in the worker's own loop, outside any model call
+        broken.key = lambda: 1 / 0  # a bug in the worker's own loop, outside any model call
         batcher.submit(broken)
         with pytest.raises(Refused) as refused:
             await broken.future
@@ -472,8 +450,9 @@ async def call(
     parts: Optional[list[bytes]] = None,
     leaves: bool = False,
 ) -> tuple[int, Any]:
-    """One request to the ASGI app, in-process: `parts` are the body's chunks (default: the JSON of `body`);
-    with `leaves`, the client disconnects once they are sent (the last chunk promising more)."""
+    """One request to the ASGI app, in-process: `parts` are the body's chunks (default: the JSON of
+    `body`); with `leaves`, the client disconnects once they are sent (the last chunk promising
+    more)."""
     parts = (
         parts
         if parts is not None
@@ -504,17 +483,13 @@ async def call(
             return messages.pop(0)
         if leaves:
             return {"type": "http.disconnect"}
-        await (
-            asyncio.Event().wait()
-        )  # the client stays (is_disconnected() cancels this wait)
+        await asyncio.Event().wait()  # the client stays (is_disconnected() cancels this wait)
 
     async def send(message: dict) -> None:
         sent.append(message)
 
     await app(scope, receive, send)
-    text = b"".join(
-        m.get("body", b"") for m in sent if m["type"] == "http.response.body"
-    ).decode()
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
     return sent[0]["status"], json.loads(text) if text.startswith("{") else text
 
 
@@ -557,14 +532,11 @@ def test_a_malformed_translate_body_is_400_with_a_reason(raw, needle):
 
 def test_a_malformed_score_body_is_400_naming_the_key():
     status, body = run(
-        call(
-            create_app(Fake(), limits()), "/score", {"source": ["a"], "targets": ["b"]}
-        )
+        call(create_app(Fake(), limits()), "/score", {"source": ["a"], "targets": ["b"]})
     )
     assert (
         status == 400
-        and "targets is not a key of a /score body (did you mean target?)"
-        in body["error"]
+        and "targets is not a key of a /score body (did you mean target?)" in body["error"]
     )
 
 
@@ -582,9 +554,7 @@ def test_a_client_that_leaves_while_sending_its_body_is_one_log_line(caplog):
     fake = Fake()
     app = create_app(fake, limits())
     with caplog.at_level(logging.INFO, logger="transformer_mt"):
-        run(
-            call(app, "/translate", parts=[b'{"text": ["a b'], leaves=True)
-        )  # raises nothing
+        run(call(app, "/translate", parts=[b'{"text": ["a b'], leaves=True))  # raises nothing
     lines = [r for r in caplog.records if r.name == "transformer_mt"]
     assert (
         len(lines) == 1
@@ -594,7 +564,8 @@ def test_a_client_that_leaves_while_sending_its_body_is_one_log_line(caplog):
     assert app.state.batcher.snapshot()["left"] == 1 and fake.calls == []
 
 
-# --------------------------------------------------------------------------- options and what a client sees
+# --------------------------------------------------------------------------- options and what a
+# client sees
 
 
 def test_alpha_and_the_length_budget_are_per_request():
@@ -605,9 +576,7 @@ def test_alpha_and_the_length_budget_are_per_request():
         status, body = run(
             call(app, "/translate", {"text": ["a b"], "alpha": 0.25, "max_len": [2, 3]})
         )
-        assert (
-            status == 200 and body["translations"][0]["hypotheses"][0]["text"] == "A B"
-        )
+        assert status == 200 and body["translations"][0]["hypotheses"][0]["text"] == "A B"
         assert run(call(app, "/translate", {"text": ["c"]}))[0] == 200
     finally:
         app.state.batcher.stop()
@@ -622,14 +591,13 @@ def test_alpha_and_the_length_budget_are_per_request():
 
 def test_info_names_the_run_not_the_servers_directories():
     status, info = run(call(create_app(Fake(), limits()), "/info", method="GET"))
-    assert (
-        status == 200 and info["checkpoint"] == "run7/best.pt" and info["run"] == "run7"
-    )
+    assert status == 200 and info["checkpoint"] == "run7/best.pt" and info["run"] == "run7"
     assert "/srv" not in json.dumps(info) and "secret" not in json.dumps(info)
     assert info["limits"]["max_work"] == limits().max_work
 
 
-# --------------------------------------------------------------------------- the soak benchmark's verdict
+# --------------------------------------------------------------------------- the soak benchmark's
+# verdict
 
 
 def test_the_soak_reports_its_targets_from_its_figures(tmp_path, monkeypatch):
@@ -687,8 +655,6 @@ def test_the_model_leaves_a_core_to_the_http_side(monkeypatch):
     assert model_threads(2) == 2
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
     assert model_threads() == 1
-    monkeypatch.setenv(
-        "OMP_NUM_THREADS", "2"
-    )  # read by torch when it starts: then left as it is
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # read by torch when it starts: then left as it is
     torch.set_num_threads(2)
     assert model_threads() == 2

@@ -1,4 +1,5 @@
-"""SentencePiece models in a run directory: a separate vocabulary with one file missing is a user error."""
+"""SentencePiece models in a run directory: a separate vocabulary with one file missing is a user
+error."""
 
 from __future__ import annotations
 
@@ -39,11 +40,7 @@ def test_one_half_of_a_separate_vocabulary_is_a_user_error_naming_the_missing_fi
     with pytest.raises(UserError) as info:
         Tokenizer.load(tmp_path)
     message = str(info.value)
-    assert (
-        str(tmp_path / missing) in message
-        and present in message
-        and "\n" not in message
-    )
+    assert str(tmp_path / missing) in message and present in message and "\n" not in message
 
 
 def test_a_run_directory_without_any_model_is_a_user_error(tmp_path):
@@ -55,9 +52,7 @@ def test_train_on_a_run_whose_spm_tgt_model_is_missing_exits_2_with_one_line(
     tmp_path, separate, capsys
 ):
     for split in ("train", "valid"):
-        (tmp_path / f"{split}.en").write_text(
-            "".join(s + "\n" for s in LINES), encoding="utf-8"
-        )
+        (tmp_path / f"{split}.en").write_text("".join(s + "\n" for s in LINES), encoding="utf-8")
         (tmp_path / f"{split}.de").write_text(
             "".join(s.upper() + "\n" for s in LINES), encoding="utf-8"
         )

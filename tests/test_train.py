@@ -10,9 +10,15 @@ import torch
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.config import config_from_dict
 from transformer_mt.data import collate, read_split
-from transformer_mt.vocab import PAD
-from transformer_mt.train import Trainer, TrainingDiverged, cooldown_factor, label_smoothed_loss, noam
+from transformer_mt.train import (
+    Trainer,
+    TrainingDiverged,
+    cooldown_factor,
+    label_smoothed_loss,
+    noam,
+)
 from transformer_mt.translate import Translator
+from transformer_mt.vocab import PAD
 
 
 def test_loss_is_label_smoothed_cross_entropy_over_non_padding():
@@ -37,7 +43,9 @@ def test_loss_is_label_smoothed_cross_entropy_over_non_padding():
 def test_noam_schedule_matches_formula_and_peaks_at_warmup():
     d, warmup, factor = 512, 4000, 2.0
     for step in (1, 100, 3999, 4000, 4001, 20000):
-        assert noam(step, d, warmup, factor) == pytest.approx(factor * d**-0.5 * min(step**-0.5, step * warmup**-1.5))
+        assert noam(step, d, warmup, factor) == pytest.approx(
+            factor * d**-0.5 * min(step**-0.5, step * warmup**-1.5)
+        )
     rates = [noam(s, d, warmup, factor) for s in range(1, 3 * warmup)]
     assert rates.index(max(rates)) + 1 == warmup
     assert noam(warmup, d, warmup, factor) == pytest.approx(factor * (d * warmup) ** -0.5)
@@ -54,16 +62,40 @@ def write_copy_corpus(folder, n_train=2000, seed=0):
 
 
 def tiny_config(tmp_path, **train):
-    return config_from_dict({
-        "data": {"src_lang": "src", "tgt_lang": "tgt", "train": str(tmp_path / "train"),
-                 "valid": str(tmp_path / "valid")},
-        "tokenizer": {"vocab_size": 40},
-        "model": {"d_model": 64, "heads": 4, "encoder_layers": 2, "decoder_layers": 2, "d_ff": 128,
-                  "dropout": 0.0, "max_positions": 64},
-        "train": {"max_tokens": 1024, "warmup": 60, "lr_factor": 1.0, "log_every": 50, "valid_every": 1000,
-                  "valid_bleu": False, "keep_last": 0, "seed": 3, "precision": "fp32", **train},  # auto: timed
-        "output_dir": str(tmp_path / "run"),
-    })
+    return config_from_dict(
+        {
+            "data": {
+                "src_lang": "src",
+                "tgt_lang": "tgt",
+                "train": str(tmp_path / "train"),
+                "valid": str(tmp_path / "valid"),
+            },
+            "tokenizer": {"vocab_size": 40},
+            "model": {
+                "d_model": 64,
+                "heads": 4,
+                "encoder_layers": 2,
+                "decoder_layers": 2,
+                "d_ff": 128,
+                "dropout": 0.0,
+                "max_positions": 64,
+            },
+            "train": {
+                "max_tokens": 1024,
+                "warmup": 60,
+                "lr_factor": 1.0,
+                "log_every": 50,
+                "valid_every": 1000,
+                # auto: timed
+                "valid_bleu": False,
+                "keep_last": 0,
+                "seed": 3,
+                "precision": "fp32",
+                **train,
+            },
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
 
 
 def test_learning_rate_follows_noam_per_update(tmp_path):
@@ -77,11 +109,13 @@ def test_learning_rate_follows_noam_per_update(tmp_path):
 
 
 def test_cooldown_factor_is_a_straight_line_down_to_the_last_update():
-    assert [cooldown_factor(s, 0, 0) for s in (1, 50, 10**6)] == [1.0, 1.0, 1.0]  # no plan: no cooldown
+    # no plan: no cooldown
+    assert [cooldown_factor(s, 0, 0) for s in (1, 50, 10**6)] == [1.0, 1.0, 1.0]
     start, end = 6, 10
     factors = [cooldown_factor(s, start, end) for s in range(1, 12)]
     assert factors[:start] == [1.0] * start  # updates 1..6 untouched
-    assert factors[start:] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])  # 7..10 fall by 1/4 each; 11 is past the end
+    # 7..10 fall by 1/4 each; 11 is past the end
+    assert factors[start:] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
 
 
 def lrs_of_updates(monkeypatch, trainer):
@@ -107,8 +141,9 @@ def test_cooldown_by_steps_anneals_the_last_fraction_of_max_steps(tmp_path, monk
 
 
 def test_time_budget_plans_the_cooldown_from_the_step_rate(tmp_path, monkeypatch):
-    """A clock of 10 updates a minute and a 2-minute budget: the last quarter (0.5 min) starts at update 15
-    and holds 5 updates, 2% kept spare -> 4: the lr falls to ~0 at update 19 and the run stops there."""
+    """A clock of 10 updates a minute and a 2-minute budget: the last quarter (0.5 min) starts at
+    update 15 and holds 5 updates, 2% kept spare -> 4: the lr falls to ~0 at update 19 and the run
+    stops there."""
     write_copy_corpus(tmp_path, n_train=200)
     trainer = Trainer(tiny_config(tmp_path, max_steps=1000, max_minutes=2.0, cooldown=0.25))
     monkeypatch.setattr(Trainer, "minutes", lambda self: self.state.step / 10)
@@ -117,9 +152,13 @@ def test_time_budget_plans_the_cooldown_from_the_step_rate(tmp_path, monkeypatch
     expected = [noam(s, 64, 60, 1.0) * (1 if s <= 15 else (20 - s) / 4) for s in range(1, 20)]
     assert lrs == pytest.approx(expected)
     # The plan is part of the checkpoint: a resumed run keeps it instead of planning again.
-    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)[
+        "train_state"
+    ]
     assert (state["cooldown_start"], state["cooldown_end"]) == (15, 19)
-    resumed = Trainer(tiny_config(tmp_path, max_steps=1000, max_minutes=2.0, cooldown=0.25), resume=True)
+    resumed = Trainer(
+        tiny_config(tmp_path, max_steps=1000, max_minutes=2.0, cooldown=0.25), resume=True
+    )
     assert (resumed.state.cooldown_start, resumed.state.cooldown_end) == (15, 19)
     # Issue 22: a resume after the cooldown's last update trains nothing more and rewrites nothing.
     files = {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()}
@@ -131,27 +170,40 @@ def test_time_budget_plans_the_cooldown_from_the_step_rate(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_tiny_copy_task_is_learned_exactly(tmp_path):
     write_copy_corpus(tmp_path)
-    # No label smoothing: it keeps probability off the one right answer that this task has. The last 30% of the
-    # updates anneal the lr to ~0 (train.cooldown): without it the run ended at lr 4e-3 and loss 0.11, and which
-    # lines came out right depended on the CPU's kernels (91.7% with AVX2 kernels, 100% with AVX-512 ones).
+    # No label smoothing: it keeps probability off the one right answer that this task has. The last
+    # 30% of the updates anneal the lr to ~0 (train.cooldown): without it the run ended at lr 4e-3
+    # and loss 0.11, and which lines came out right depended on the CPU's kernels (91.7% with AVX2
+    # kernels, 100% with AVX-512 ones).
     cfg = tiny_config(tmp_path, max_steps=1000, label_smoothing=0.0, cooldown=0.3)
     trainer = Trainer(cfg)
     trainer.train()
     sources, references = read_split(cfg.data, "valid")
     hyps = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate_text(sources, beam=1)
     exact = sum(h == r for h, r in zip(hyps, references)) / len(references)
-    # Annealed, all 60 lines came out right with AVX-512 and with AVX2 kernels, on 1 and 2 threads; at most 3 wrong
-    # allowed, as which lines a tiny model gets right is not something every CPU's rounding can promise.
+    # Annealed, all 60 lines came out right with AVX-512 and with AVX2 kernels, on 1 and 2 threads;
+    # at most 3 wrong allowed, as which lines a tiny model gets right is not something every CPU's
+    # rounding can promise.
     assert exact >= 0.95, [(h, r) for h, r in zip(hyps, references) if h != r][:5]
-    # Issue 12: the word alignment read from cross-attention of a copy is the diagonal. Where a line repeats a
-    # word, either copy of it is as good a source ("green green": 0-0 0-1 was seen): each link must join equal words.
-    translations = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate(sources, beam=1, alignment=True)
+    # Issue 12: the word alignment read from cross-attention of a copy is the diagonal. Where a line
+    # repeats a word, either copy of it is as good a source ("green green": 0-0 0-1 was seen): each
+    # link must join equal words.
+    translations = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate(
+        sources, beam=1, alignment=True
+    )
     copied = [(s, h[0]) for s, h in zip(sources, translations) if h[0].text == s]
     assert len(copied) >= 0.95 * len(sources)
-    wrong = [(s, h.pharaoh()) for s, h in copied if len(set(s.split())) == len(s.split())
-             and h.alignment != [(i, i) for i in range(len(s.split()))]]
-    wrong += [(s, h.pharaoh()) for s, h in copied if sorted(j for _, j in h.alignment) != list(range(len(s.split())))
-              or any(s.split()[i] != s.split()[j] for i, j in h.alignment)]
+    wrong = [
+        (s, h.pharaoh())
+        for s, h in copied
+        if len(set(s.split())) == len(s.split())
+        and h.alignment != [(i, i) for i in range(len(s.split()))]
+    ]
+    wrong += [
+        (s, h.pharaoh())
+        for s, h in copied
+        if sorted(j for _, j in h.alignment) != list(range(len(s.split())))
+        or any(s.split()[i] != s.split()[j] for i, j in h.alignment)
+    ]
     assert not wrong, wrong[:5]
 
 
@@ -179,8 +231,12 @@ def test_accumulated_update_equals_one_big_batch(tmp_path):
 
 def test_separate_bpe_vocabularies_train_and_reload(tmp_path):
     write_copy_corpus(tmp_path, n_train=200)
-    cfg = config_from_dict({**tiny_config(tmp_path, max_steps=2, valid_every=2).to_dict(),
-                            "tokenizer": {"type": "bpe", "joint": False, "vocab_size": 40}})
+    cfg = config_from_dict(
+        {
+            **tiny_config(tmp_path, max_steps=2, valid_every=2).to_dict(),
+            "tokenizer": {"type": "bpe", "joint": False, "vocab_size": 40},
+        }
+    )
     Trainer(cfg).train()
     run = tmp_path / "run"
     assert (run / "spm.src.model").exists() and (run / "spm.tgt.model").exists()
@@ -196,7 +252,9 @@ def test_average_checkpoints_is_the_elementwise_mean(tmp_path):
     a = {"w": torch.tensor([1.0, 2.0, 4.0]), "n": torch.tensor([3])}
     b = {"w": torch.tensor([3.0, 2.0, 0.0]), "n": torch.tensor([3])}
     for i, m in enumerate((a, b)):
-        save_checkpoint(tmp_path / f"step_{i}.pt", {"model": m, "config": {}, "step": i, "optimizer": {}})
+        save_checkpoint(
+            tmp_path / f"step_{i}.pt", {"model": m, "config": {}, "step": i, "optimizer": {}}
+        )
     avg = average_checkpoints([tmp_path / "step_0.pt", tmp_path / "step_1.pt"])
     torch.testing.assert_close(avg["model"]["w"], torch.tensor([2.0, 2.0, 2.0]))
     assert avg["model"]["n"].dtype == torch.int64 and avg["averaged_steps"] == [0, 1]
@@ -220,19 +278,25 @@ def test_training_averages_the_last_checkpoints(tmp_path):
 
 def test_save_every_writes_step_checkpoints_between_validations(tmp_path):
     write_copy_corpus(tmp_path, n_train=200)
-    Trainer(tiny_config(tmp_path, max_steps=8, valid_every=4, save_every=2, keep_last=3, average_last=3)).train()
+    Trainer(
+        tiny_config(tmp_path, max_steps=8, valid_every=4, save_every=2, keep_last=3, average_last=3)
+    ).train()
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*.pt"))
-    assert names == ["step_4.pt", "step_6.pt", "step_8.pt"]  # 2 was written, then pruned by keep_last
+    # 2 was written, then pruned by keep_last
+    assert names == ["step_4.pt", "step_6.pt", "step_8.pt"]
     averaged = torch.load(tmp_path / "run" / "checkpoints" / "averaged.pt", weights_only=True)
     assert averaged["averaged_steps"] == [4, 6, 8]
 
 
 def test_bf16_output_precision_trains_fp32_weights_and_decodes_in_fp32(tmp_path):
     write_copy_corpus(tmp_path, n_train=200)
-    trainer = Trainer(tiny_config(tmp_path, max_steps=3, valid_every=3, precision="bf16-output", device="cpu"))
+    trainer = Trainer(
+        tiny_config(tmp_path, max_steps=3, valid_every=3, precision="bf16-output", device="cpu")
+    )
     assert trainer.model.output_dtype == torch.bfloat16
     batch, _ = next(trainer.batches.stream(trainer.state))
-    assert trainer.model(batch.src, batch.tgt_in).dtype == torch.bfloat16  # the projection the loop trains
+    # the projection the loop trains
+    assert trainer.model(batch.src, batch.tgt_in).dtype == torch.bfloat16
     summary = trainer.train()
     assert summary["steps"] == 3 and math.isfinite(summary["best_score"])
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
@@ -244,8 +308,9 @@ def test_bf16_output_precision_trains_fp32_weights_and_decodes_in_fp32(tmp_path)
 
 
 def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(tmp_path):
-    """Defect 8: the fp16 + GradScaler path (GPUs without bf16) had never run. torch runs fp16 autocast and
-    GradScaler on CPU too: train in fp16, skip an update whose gradient is inf, resume with the scaler's state."""
+    """Defect 8: the fp16 + GradScaler path (GPUs without bf16) had never run. torch runs fp16
+    autocast and GradScaler on CPU too: train in fp16, skip an update whose gradient is inf, resume
+    with the scaler's state."""
     write_copy_corpus(tmp_path, n_train=200)
     cfg = tiny_config(tmp_path, max_steps=3, valid_every=3, precision="fp16", device="cpu")
     trainer = Trainer(cfg)
@@ -254,7 +319,8 @@ def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(t
     assert summary["steps"] == 3 and math.isfinite(summary["best_score"])
     assert trainer.scaler.get_scale() == 2.0**16  # no overflow yet: the initial scale
 
-    # An inf in the gradient: the update is skipped (weights untouched) and the scale backs off by half.
+    # An inf in the gradient: the update is skipped (weights untouched) and the scale backs off by
+    # half.
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     hook = trainer.model.generator.weight.register_hook(lambda g: torch.full_like(g, math.inf))
     batch, tokens = next(trainer.batches.stream(trainer.state))
@@ -272,24 +338,37 @@ def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(t
 
 
 def test_a_resumed_auto_run_keeps_the_precision_it_began_in(tmp_path, monkeypatch):
-    """precision auto is measured once, at the run's start: a resume whose probe would now choose otherwise
-    trains on in the checkpoint's precision, so one run never mixes two."""
+    """precision auto is measured once, at the run's start: a resume whose probe would now choose
+    otherwise trains on in the checkpoint's precision, so one run never mixes two."""
     import transformer_mt.train as train_module
+
     write_copy_corpus(tmp_path, n_train=200)
     cfg = tiny_config(tmp_path, max_steps=2, valid_every=2, precision="auto", device="cpu")
     probes = []
-    monkeypatch.setattr(train_module, "choose_cpu_precision", lambda *a: probes.append(1) or "bf16-output")
+    monkeypatch.setattr(
+        train_module, "choose_cpu_precision", lambda *a: probes.append(1) or "bf16-output"
+    )
     Trainer(cfg).train()
-    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]["precision"] \
+    assert (
+        torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"][
+            "precision"
+        ]
         == "bf16-output"
+    )
     monkeypatch.setattr(train_module, "choose_cpu_precision", lambda *a: probes.append(1) or "fp32")
-    resumed = Trainer(config_from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "max_steps": 3}}),
-                      resume=True)
+    resumed = Trainer(
+        config_from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "max_steps": 3}}),
+        resume=True,
+    )
     assert len(probes) == 1  # measured once
     assert resumed.precision == "bf16-output" and resumed.model.output_dtype == torch.bfloat16
     assert resumed.train()["steps"] == 3
-    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]["precision"] \
+    assert (
+        torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"][
+            "precision"
+        ]
         == "bf16-output"
+    )
 
 
 def test_a_nan_loss_closes_the_event_log_before_it_stops(tmp_path, monkeypatch):
@@ -319,15 +398,23 @@ def test_a_nan_loss_closes_the_event_log_before_it_stops(tmp_path, monkeypatch):
 
 
 def test_separate_vocabularies_of_two_sizes_train_with_precision_auto(tmp_path):
-    """Issue 22: with tokenizer.joint false the precision probe (precision auto on a CPU) fed target ids as source
-    ids, out of range when the target vocabulary is the larger: IndexError before the first update."""
+    """Issue 22: with tokenizer.joint false the precision probe (precision auto on a CPU) fed target
+    ids as source ids, out of range when the target vocabulary is the larger: IndexError before the
+    first update."""
     write_copy_corpus(tmp_path, n_train=200)
     for split in ("train", "valid"):  # a source side of one letter: a smaller source vocabulary
         lines = (tmp_path / f"{split}.tgt").read_text().splitlines()
-        (tmp_path / f"{split}.src").write_text("".join(" ".join("x" * len(w) for w in x.split()) + "\n" for x in lines))
-    cfg = config_from_dict({**tiny_config(tmp_path, max_steps=1, valid_every=1, max_tokens=240, precision="auto",
-                                          device="cpu").to_dict(),
-                            "tokenizer": {"type": "bpe", "joint": False, "vocab_size": 40}})
+        (tmp_path / f"{split}.src").write_text(
+            "".join(" ".join("x" * len(w) for w in x.split()) + "\n" for x in lines)
+        )
+    cfg = config_from_dict(
+        {
+            **tiny_config(
+                tmp_path, max_steps=1, valid_every=1, max_tokens=240, precision="auto", device="cpu"
+            ).to_dict(),
+            "tokenizer": {"type": "bpe", "joint": False, "vocab_size": 40},
+        }
+    )
     trainer = Trainer(cfg)  # the probe runs here
     src_vocab, tgt_vocab, _ = trainer.tokenizer.sizes()
     assert src_vocab < tgt_vocab

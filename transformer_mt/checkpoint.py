@@ -35,23 +35,26 @@ REQUIRED_KEYS = ("model", "config", "step")
 
 
 class CheckpointError(UserError):
-    """A checkpoint path that does not exist, is not a checkpoint, or does not match its tokenizer."""
+    """A checkpoint path that does not exist, is not a checkpoint, or does not match its
+    tokenizer."""
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """torch.save streamed into a temporary file beside `path` (no copy of the checkpoint in memory), fsync, then
-    rename over it."""
+    """torch.save streamed into a temporary file beside `path` (no copy of the checkpoint in
+    memory), fsync, then rename over it."""
     try:
         atomic_write(path, lambda f: torch.save({**state, "version": __version__}, f))
     except OSError as e:
-        raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; "
-                              "the previous file at that path is intact") from None
+        raise CheckpointError(
+            f"cannot write checkpoint {path}: {e.strerror or e}; "
+            "the previous file at that path is intact"
+        ) from None
 
 
 def copy_checkpoint(src: Path, dst: Path) -> None:
-    """dst becomes the file src is, atomically: a hard link renamed over dst (no bytes written) or, where the file
-    system has no hard links, a copy written and renamed like a save. Every save renames a new file over its path,
-    so names linked to one file never change together."""
+    """dst becomes the file src is, atomically: a hard link renamed over dst (no bytes written) or,
+    where the file system has no hard links, a copy written and renamed like a save. Every save
+    renames a new file over its path, so names linked to one file never change together."""
     tmp = dst.with_name(f".{dst.name}.link{os.getpid()}")
     try:
         tmp.unlink(missing_ok=True)
@@ -64,49 +67,72 @@ def copy_checkpoint(src: Path, dst: Path) -> None:
         with open(src, "rb") as f:
             atomic_write(dst, lambda out: shutil.copyfileobj(f, out, 1 << 20))
     except OSError as e:
-        raise CheckpointError(f"cannot write checkpoint {dst}: {e.strerror or e}; "
-                              "the previous file at that path is intact") from None
+        raise CheckpointError(
+            f"cannot write checkpoint {dst}: {e.strerror or e}; "
+            "the previous file at that path is intact"
+        ) from None
 
 
 def weights_only_error(path: Path) -> CheckpointError:
-    """The resume of a checkpoint without training state (an average), naming the file that resumes."""
+    """The resume of a checkpoint without training state (an average), naming the file that
+    resumes."""
     last = run_dir_of(path) / "checkpoints" / "last.pt"
-    return CheckpointError(f"cannot resume from {path}: it holds weights only (an averaged checkpoint; best.pt and "
-                           f"averaged.pt are after averaging): resume from {last}")
+    return CheckpointError(
+        f"cannot resume from {path}: it holds weights only (an averaged checkpoint; best.pt and "
+        f"averaged.pt are after averaging): resume from {last}"
+    )
 
 
-def load_training_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """A checkpoint to resume from: loaded, and refused at once (before any set-up) if it holds weights only."""
+def load_training_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """A checkpoint to resume from: loaded, and refused at once (before any set-up) if it holds
+    weights only."""
     ckpt = load_checkpoint(path, map_location=map_location)
     if "optimizer" not in ckpt or "train_state" not in ckpt:
         raise weights_only_error(path)
     return ckpt
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, map_location: str | torch.device = "cpu"
+) -> dict[str, Any]:
     """Load with weights_only=True: a crafted pickle cannot run code, it is refused."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # the weights-only unpickler raises many types for files that are not checkpoints
+    # the weights-only unpickler raises many types for files that are not checkpoints
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is not a loadable transformer-mt checkpoint "
-                              f"(refused by torch.load(weights_only=True): {first[:200]})") from None
+        raise CheckpointError(
+            f"{path} is not a loadable transformer-mt checkpoint "
+            f"(refused by torch.load(weights_only=True): {first[:200]})"
+        ) from None
     if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED_KEYS):
-        raise CheckpointError(f"{path} is not a transformer-mt checkpoint (it lacks {', '.join(REQUIRED_KEYS)})")
+        raise CheckpointError(
+            f"{path} is not a transformer-mt checkpoint (it lacks {', '.join(REQUIRED_KEYS)})"
+        )
     return ckpt
 
 
-def resolve_checkpoint(path: str | os.PathLike | None, runs_dir: str | os.PathLike = "runs") -> Path:
+def resolve_checkpoint(
+    path: str | os.PathLike | None, runs_dir: str | os.PathLike = "runs"
+) -> Path:
     """A checkpoint file, a run directory (its best, else last, checkpoint), or — when None —
     the best checkpoint of the most recently trained run under ./runs/."""
     if path is None:
-        runs = [p for p in Path(runs_dir).glob("*/checkpoints/last.pt")] if Path(runs_dir).is_dir() else []
+        runs = (
+            [p for p in Path(runs_dir).glob("*/checkpoints/last.pt")]
+            if Path(runs_dir).is_dir()
+            else []
+        )
         if not runs:
-            raise CheckpointError(f"no trained run found under {Path(runs_dir).resolve()}: train one with "
-                                  "`tmt train CONFIG`, or pass --checkpoint RUN_DIR_OR_FILE")
+            raise CheckpointError(
+                f"no trained run found under {Path(runs_dir).resolve()}: train one with "
+                "`tmt train CONFIG`, or pass --checkpoint RUN_DIR_OR_FILE"
+            )
         newest = max(runs, key=lambda p: p.stat().st_mtime).parent.parent
         found = resolve_checkpoint(newest)
         print(f"tmt: using checkpoint {found}", file=sys.stderr)
@@ -115,11 +141,17 @@ def resolve_checkpoint(path: str | os.PathLike | None, runs_dir: str | os.PathLi
     if path.is_file():
         return path
     if path.is_dir():
-        for candidate in (path / "checkpoints" / "best.pt", path / "checkpoints" / "last.pt",
-                          path / "best.pt", path / "last.pt"):
+        for candidate in (
+            path / "checkpoints" / "best.pt",
+            path / "checkpoints" / "last.pt",
+            path / "best.pt",
+            path / "last.pt",
+        ):
             if candidate.is_file():
                 return candidate
-        raise CheckpointError(f"{path} is a directory with no checkpoints/best.pt or checkpoints/last.pt")
+        raise CheckpointError(
+            f"{path} is a directory with no checkpoints/best.pt or checkpoints/last.pt"
+        )
     raise CheckpointError(f"checkpoint not found: {path}")
 
 
@@ -129,57 +161,86 @@ def run_dir_of(checkpoint_path: Path) -> Path:
     return parent.parent if parent.name == "checkpoints" else parent
 
 
-def load_for_inference(path: Path, device: torch.device | str = "cpu"
-                       ) -> tuple[Transformer, Tokenizer, Config, dict[str, Any]]:
+def load_for_inference(
+    path: Path, device: torch.device | str = "cpu"
+) -> tuple[Transformer, Tokenizer, Config, dict[str, Any]]:
     """Model (eval mode, on `device`), its tokenizer and config, from a checkpoint file."""
     ckpt = load_checkpoint(path)
     cfg = config_from_dict(ckpt["config"], source=f"{path} (saved config)")
     run_dir = run_dir_of(path)
     if Tokenizer.exists(run_dir):
         tokenizer = Tokenizer.load(run_dir)
-    elif ckpt.get("spm"):  # a checkpoint copied away from its run carries its SentencePiece model(s)
+    # a checkpoint copied away from its run carries its SentencePiece model(s)
+    elif ckpt.get("spm"):
         tokenizer = Tokenizer(ckpt["spm"]["src"], ckpt["spm"].get("tgt"))
     else:
-        raise CheckpointError(f"no SentencePiece model beside {path} (spm.model in {run_dir}), and the "
-                              "checkpoint carries none: copy the run's spm*.model files next to it")
+        raise CheckpointError(
+            f"no SentencePiece model beside {path} (spm.model in {run_dir}), and the "
+            "checkpoint carries none: copy the run's spm*.model files next to it"
+        )
     check_tokenizer(ckpt, tokenizer, path, run_dir)
-    model = Transformer(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    model = Transformer(
+        cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint
+    )
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        raise CheckpointError(f"{path}: weights do not match the saved model config: "
-                              f"{str(e).splitlines()[0]}") from None
+        raise CheckpointError(
+            f"{path}: weights do not match the saved model config: {str(e).splitlines()[0]}"
+        ) from None
     return model.to(device).eval(), tokenizer, cfg, ckpt
 
 
-def check_tokenizer(ckpt: dict[str, Any], tokenizer: Tokenizer, path: Path, run_dir: Path, *,
-                    resuming: bool = False) -> None:
-    """The checkpoint must have been trained with this SentencePiece model. Old checkpoints that name
-    none still translate; a resume needs the match proven."""
+def check_tokenizer(
+    ckpt: dict[str, Any], tokenizer: Tokenizer, path: Path, run_dir: Path, *, resuming: bool = False
+) -> None:
+    """The checkpoint must have been trained with this SentencePiece model. Old checkpoints that
+    name none still translate; a resume needs the match proven."""
     saved = ckpt.get("tokenizer")
     if saved != tokenizer.digest and (resuming or saved is not None):
-        raise CheckpointError(f"{'cannot resume from ' if resuming else ''}{path}: it was trained with tokenizer "
-                              f"{saved}, but the SentencePiece model in {run_dir} is {tokenizer.digest}: they do "
-                              "not belong together")
+        raise CheckpointError(
+            f"{'cannot resume from ' if resuming else ''}{path}: it was trained with tokenizer "
+            f"{saved}, but the SentencePiece model in {run_dir} is {tokenizer.digest}: they do "
+            "not belong together"
+        )
 
 
-def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> None:
-    """A resume continues the same model with the same tokenizer, from a full training checkpoint."""
+def check_resumable(
+    ckpt: dict[str, Any], path: Path, cfg: Config, tokenizer: Tokenizer, run_dir: Path
+) -> None:
+    """A resume continues the same model with the same tokenizer, from a full training
+    checkpoint."""
     check_tokenizer(ckpt, tokenizer, path, run_dir, resuming=True)
     saved = ckpt["config"].get("model", {})
-    diff = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
-            for k, v in dataclasses.asdict(cfg.model).items() if saved.get(k) != v]
+    diff = [
+        f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
+        for k, v in dataclasses.asdict(cfg.model).items()
+        if saved.get(k) != v
+    ]
     if diff:
-        raise CheckpointError(f"cannot resume from {path}: the model config differs: " + "; ".join(diff))
+        raise CheckpointError(
+            f"cannot resume from {path}: the model config differs: " + "; ".join(diff)
+        )
     if "optimizer" not in ckpt or "train_state" not in ckpt:
         raise weights_only_error(path)
 
 
-def restore_training(path: Path, *, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: Any,
-                     scaler: Any, cfg: Config, tokenizer: Tokenizer, run_dir: Path,
-                     device: torch.device, ckpt: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Load a training checkpoint (or take `ckpt`, already loaded from `path`) into the model, optimizer, schedule
-    and grad scaler, after the resume checks; returns it (the caller restores its train_state and rng)."""
+def restore_training(
+    path: Path,
+    *,
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    cfg: Config,
+    tokenizer: Tokenizer,
+    run_dir: Path,
+    device: torch.device,
+    ckpt: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load a training checkpoint (or take `ckpt`, already loaded from `path`) into the model,
+    optimizer, schedule and grad scaler, after the resume checks; returns it (the caller restores
+    its train_state and rng)."""
     ckpt = ckpt if ckpt is not None else load_checkpoint(path, map_location=device)
     check_resumable(ckpt, path, cfg, tokenizer, run_dir)
     model.load_state_dict(ckpt["model"])
@@ -189,9 +250,18 @@ def restore_training(path: Path, *, model: Transformer, optimizer: torch.optim.O
     return ckpt
 
 
-def training_checkpoint(*, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                        train_state: dict[str, Any], metrics: dict[str, float], rng: Any, cfg: Config,
-                        tokenizer: Tokenizer) -> dict[str, Any]:
+def training_checkpoint(
+    *,
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    train_state: dict[str, Any],
+    metrics: dict[str, float],
+    rng: Any,
+    cfg: Config,
+    tokenizer: Tokenizer,
+) -> dict[str, Any]:
     """Everything a resume needs, and everything translate needs without the run directory."""
     return {
         "model": model.state_dict(),
@@ -204,13 +274,16 @@ def training_checkpoint(*, model: Transformer, optimizer: torch.optim.Optimizer,
         "rng": rng,
         "config": cfg.to_dict(),
         "tokenizer": tokenizer.digest,
-        "spm": {"src": tokenizer.src_bytes, "tgt": None if tokenizer.joint else tokenizer.tgt_bytes},
+        "spm": {
+            "src": tokenizer.src_bytes,
+            "tgt": None if tokenizer.joint else tokenizer.tgt_bytes,
+        },
     }
 
 
 def save_rotating(run_dir: Path, state: dict[str, Any], *, best: bool, keep_last: int) -> None:
-    """last.pt, best.pt when improved, and step_N.pt keeping the newest `keep_last` of them: serialised once, into
-    last.pt; the others are hard links to (or copies of) that file."""
+    """last.pt, best.pt when improved, and step_N.pt keeping the newest `keep_last` of them:
+    serialised once, into last.pt; the others are hard links to (or copies of) that file."""
     ckpt_dir = run_dir / "checkpoints"
     last = ckpt_dir / "last.pt"
     save_checkpoint(last, state)
@@ -233,7 +306,8 @@ def step_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def validation_score(metrics: dict[str, float]) -> float | None:
-    """What "better" means for checkpoints: validation BLEU, else minus the loss; None if not validated."""
+    """What "better" means for checkpoints: validation BLEU, else minus the loss; None if not
+    validated."""
     if "bleu" in metrics:
         return metrics["bleu"]
     if "loss" in metrics:
@@ -255,8 +329,10 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
         steps.append(ckpt["step"])
         for k, v in ckpt["model"].items():
             if k in total and total[k].shape != v.shape:
-                raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}: "
-                                      "these checkpoints are not of one model")
+                raise CheckpointError(
+                    f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}: "
+                    "these checkpoints are not of one model"
+                )
             total[k] = total[k] + v.double() if k in total else v.double()
     model = {k: (v / len(paths)).to(ckpt["model"][k].dtype) for k, v in total.items()}
     keep = {k: ckpt[k] for k in ("config", "tokenizer", "spm", "step") if k in ckpt}
@@ -277,25 +353,38 @@ def _validated_scores(paths: list[Path]) -> dict[Path, float]:
     return scores
 
 
-def average_run(run_dir: str | os.PathLike, *, last: int = 0, best: int = 0,
-                output: str | os.PathLike | None = None) -> tuple[Path, list[int]]:
+def average_run(
+    run_dir: str | os.PathLike,
+    *,
+    last: int = 0,
+    best: int = 0,
+    output: str | os.PathLike | None = None,
+) -> tuple[Path, list[int]]:
     """`tmt average`: average the newest `last` (or the `best` best-validating) step checkpoints."""
     paths = step_checkpoints(run_dir)
     n = last or best
     if len(paths) < 2 or n < 2:
-        raise CheckpointError(f"{Path(run_dir)}: need at least 2 step_N.pt checkpoints to average "
-                              f"(found {len(paths)}; keep more with train.keep_last)")
+        raise CheckpointError(
+            f"{Path(run_dir)}: need at least 2 step_N.pt checkpoints to average "
+            f"(found {len(paths)}; keep more with train.keep_last)"
+        )
     if last:
         chosen = paths[-n:]
     else:
         scores = _validated_scores(paths)
         if len(scores) < 2:
-            raise CheckpointError(f"{Path(run_dir)}: --best needs at least 2 validated step checkpoints, found "
-                                  f"{len(scores)} of {len(paths)} (steps between validations are not scored): "
-                                  "use --last instead of --best")
+            raise CheckpointError(
+                f"{Path(run_dir)}: --best needs at least 2 validated step checkpoints, found "
+                f"{len(scores)} of {len(paths)} (steps between validations are not scored): "
+                "use --last instead of --best"
+            )
         if len(scores) < n:
-            log.warning("--best %d: only %d of the %d step checkpoints were validated; averaging those",
-                        n, len(scores), len(paths))
+            log.warning(
+                "--best %d: only %d of the %d step checkpoints were validated; averaging those",
+                n,
+                len(scores),
+                len(paths),
+            )
         chosen = sorted(sorted(scores, key=scores.get)[-n:], key=step_of)
     averaged = average_checkpoints(chosen)
     out = Path(output) if output else Path(run_dir, "checkpoints", "averaged.pt")

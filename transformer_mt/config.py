@@ -44,18 +44,32 @@ class DataConfig:
     # Default: the language codes.
     src_field: Optional[str] = None
     tgt_field: Optional[str] = None
-    # Training pairs longer than this (in subword tokens) are dropped; it must leave room for BOS/EOS
-    # within model.max_positions. Default: 256, or model.max_positions - 1 when that is smaller.
+    # Training pairs longer than this (in subword tokens) are dropped; it must leave room for
+    # BOS/EOS within model.max_positions. Default: 256, or model.max_positions - 1 when that is
+    # smaller.
     max_len: Optional[int] = None
-    invalid_utf8: Literal["error", "replace"] = "error"  # text/tsv files: stop at file:line, or replace and count
-    cache_dir: Optional[str] = None  # tokenized-corpus cache shared by runs; default $TMT_CACHE, ~/.cache/transformer_mt
+    # text/tsv files: stop at file:line, or replace and count
+    invalid_utf8: Literal["error", "replace"] = "error"
+    # tokenized-corpus cache shared by runs; default $TMT_CACHE, ~/.cache/transformer_mt
+    cache_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _check(self.max_len is None or self.max_len >= 1, "data.max_len", f"must be >= 1, got {self.max_len}")
+        _check(
+            self.max_len is None or self.max_len >= 1,
+            "data.max_len",
+            f"must be >= 1, got {self.max_len}",
+        )
         if self.format == "hf":
-            _check(bool(self.dataset), "data.dataset", "is required when data.format is hf (e.g. bentrevett/multi30k)")
-        _check(self.src_lang != self.tgt_lang or self.src_field != self.tgt_field,
-               "data.tgt_lang", "source and target are the same field")
+            _check(
+                bool(self.dataset),
+                "data.dataset",
+                "is required when data.format is hf (e.g. bentrevett/multi30k)",
+            )
+        _check(
+            self.src_lang != self.tgt_lang or self.src_field != self.tgt_field,
+            "data.tgt_lang",
+            "source and target are the same field",
+        )
 
     @property
     def fields(self) -> tuple[str, str]:
@@ -70,15 +84,23 @@ class TokenizerConfig:
     vocab_size: int = 8000
     joint: bool = True  # one model and vocabulary for both languages
     # Share of characters the vocabulary covers; the rarest others become <unk> (or bytes, with
-    # byte_fallback). Default as SentencePiece recommends: 0.9995 when a language is zh, ja or ko, else 1.0.
+    # byte_fallback). Default as SentencePiece recommends: 0.9995 when a language is zh, ja or ko,
+    # else 1.0.
     character_coverage: Optional[float] = None
-    byte_fallback: bool = False  # spell characters outside the vocabulary as UTF-8 bytes: no <unk> at all
-    max_sentences: int = 2_000_000  # SentencePiece trains on a random sample of at most this many lines
+    # spell characters outside the vocabulary as UTF-8 bytes: no <unk> at all
+    byte_fallback: bool = False
+    # SentencePiece trains on a random sample of at most this many lines
+    max_sentences: int = 2_000_000
 
     def __post_init__(self) -> None:
-        _check(self.vocab_size >= 16, "tokenizer.vocab_size", f"must be >= 16, got {self.vocab_size}")
-        _check(self.character_coverage is None or 0.9 <= self.character_coverage <= 1.0,
-               "tokenizer.character_coverage", f"must be in [0.9, 1.0], got {self.character_coverage}")
+        _check(
+            self.vocab_size >= 16, "tokenizer.vocab_size", f"must be >= 16, got {self.vocab_size}"
+        )
+        _check(
+            self.character_coverage is None or 0.9 <= self.character_coverage <= 1.0,
+            "tokenizer.character_coverage",
+            f"must be in [0.9, 1.0], got {self.character_coverage}",
+        )
 
 
 @dataclass
@@ -98,10 +120,22 @@ class ModelConfig:
     max_positions: int = 1024
 
     def __post_init__(self) -> None:
-        for key in ("d_model", "heads", "encoder_layers", "decoder_layers", "d_ff", "max_positions"):
-            _check(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _check(self.d_model % self.heads == 0, "model.d_model",
-               f"({self.d_model}) must be divisible by model.heads ({self.heads})")
+        for key in (
+            "d_model",
+            "heads",
+            "encoder_layers",
+            "decoder_layers",
+            "d_ff",
+            "max_positions",
+        ):
+            _check(
+                getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}"
+            )
+        _check(
+            self.d_model % self.heads == 0,
+            "model.d_model",
+            f"({self.d_model}) must be divisible by model.heads ({self.heads})",
+        )
         for key in ("dropout", "attention_dropout", "activation_dropout"):
             v = getattr(self, key)
             _check(0.0 <= v < 1.0, f"model.{key}", f"must be in [0, 1), got {v}")
@@ -120,7 +154,8 @@ class TrainConfig:
     lr_factor: float = 2.0  # Noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup: int = 4000
     # The last fraction of the run over which the lr decays linearly to 0: of max_steps, or, when
-    # max_minutes ends the run first, of the time budget (its steps planned from the step rate so far).
+    # max_minutes ends the run first, of the time budget (its steps planned from the step rate so
+    # far).
     cooldown: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
@@ -132,34 +167,62 @@ class TrainConfig:
     valid_bleu: bool = True  # decode the whole validation set (greedy unless valid_beam > 1)
     valid_beam: int = 1
     keep_last: int = 3  # step_N.pt checkpoints kept besides last.pt and best.pt
-    save_every: int = 0  # also write step_N.pt every N steps between validations (to average); 0 = at validations
+    # also write step_N.pt every N steps between validations (to average); 0 = at validations
+    save_every: int = 0
     patience: int = 0  # stop after this many validations without a new best; 0 = never
-    average_last: int = 0  # at the end, average the newest N step checkpoints (averaged.pt; best.pt if better)
+    # at the end, average the newest N step checkpoints (averaged.pt; best.pt if better)
+    average_last: int = 0
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    # bf16-output: fp32 with the output projection alone in bf16; auto on a CPU measures fp32, bf16 and it
+    # bf16-output: fp32 with the output projection alone in bf16; auto on a CPU measures fp32, bf16
+    # and it
     precision: Literal["auto", "fp32", "bf16", "fp16", "bf16-output"] = "auto"
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
-    compile: bool = False  # torch.compile the model for training (checkpoints stay loadable without it)
+    # torch.compile the model for training (checkpoints stay loadable without it)
+    compile: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("max_tokens", "accumulate", "max_steps", "max_epochs", "warmup", "log_every",
-                    "valid_every", "valid_beam"):
-            _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        for key in (
+            "max_tokens",
+            "accumulate",
+            "max_steps",
+            "max_epochs",
+            "warmup",
+            "log_every",
+            "valid_every",
+            "valid_beam",
+        ):
+            _check(
+                getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}"
+            )
         _check(self.lr_factor > 0, "train.lr_factor", f"must be > 0, got {self.lr_factor}")
-        _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing",
-               f"must be in [0, 1), got {self.label_smoothing}")
+        _check(
+            0.0 <= self.label_smoothing < 1.0,
+            "train.label_smoothing",
+            f"must be in [0, 1), got {self.label_smoothing}",
+        )
         _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(self.save_every >= 0, "train.save_every", f"must be >= 0, got {self.save_every}")
         _check(self.patience >= 0, "train.patience", f"must be >= 0, got {self.patience}")
-        _check(0.0 <= self.cooldown < 1.0, "train.cooldown", f"must be in [0, 1), got {self.cooldown}")
+        _check(
+            0.0 <= self.cooldown < 1.0, "train.cooldown", f"must be in [0, 1), got {self.cooldown}"
+        )
         _check(self.max_minutes >= 0, "train.max_minutes", f"must be >= 0, got {self.max_minutes}")
-        _check(self.average_last >= 0, "train.average_last", f"must be >= 0, got {self.average_last}")
-        _check(self.average_last <= max(self.keep_last, 1), "train.average_last",
-               f"({self.average_last}) needs train.keep_last >= {self.average_last} step checkpoints to average")
+        _check(
+            self.average_last >= 0, "train.average_last", f"must be >= 0, got {self.average_last}"
+        )
+        _check(
+            self.average_last <= max(self.keep_last, 1),
+            "train.average_last",
+            f"({self.average_last}) needs train.keep_last >= {self.average_last} step checkpoints "
+            "to average",
+        )
         _check(self.threads >= 0, "train.threads", f"must be >= 0, got {self.threads}")
-        _check(all(0.0 <= b < 1.0 for b in self.adam_betas), "train.adam_betas",
-               f"must be two numbers in [0, 1), got {list(self.adam_betas)}")
+        _check(
+            all(0.0 <= b < 1.0 for b in self.adam_betas),
+            "train.adam_betas",
+            f"must be two numbers in [0, 1), got {list(self.adam_betas)}",
+        )
 
 
 # How `tmt export` can store a CTranslate2 model's weights (CTranslate2's own names).
@@ -181,9 +244,16 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", f"must be >= 1, got {self.beam}")
         _check(self.alpha >= 0, "decode.alpha", f"must be >= 0, got {self.alpha}")
-        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
-               "need max_len_a >= 0 and max_len_b >= 1")
-        _check(self.max_src_tokens >= 1, "decode.max_src_tokens", f"must be >= 1, got {self.max_src_tokens}")
+        _check(
+            self.max_len_a >= 0 and self.max_len_b >= 1,
+            "decode.max_len_b",
+            "need max_len_a >= 0 and max_len_b >= 1",
+        )
+        _check(
+            self.max_src_tokens >= 1,
+            "decode.max_src_tokens",
+            f"must be >= 1, got {self.max_src_tokens}",
+        )
 
 
 @dataclass
@@ -201,12 +271,17 @@ class Config:
         # A training target of max_len tokens takes max_len + 1 positions (with BOS, or EOS).
         if self.data.max_len is None:
             self.data.max_len = min(256, self.model.max_positions - 1)
-        if self.tokenizer.character_coverage is None:  # large character sets: SentencePiece's advice
+        # large character sets: SentencePiece's advice
+        if self.tokenizer.character_coverage is None:
             cjk = {self.data.src_lang, self.data.tgt_lang} & {"zh", "ja", "ko"}
             self.tokenizer.character_coverage = 0.9995 if cjk else 1.0
-        _check(self.data.max_len + 1 <= self.model.max_positions, "data.max_len",
-               f"({self.data.max_len}) + 1 must be <= model.max_positions ({self.model.max_positions}): "
-               "lower data.max_len or raise model.max_positions")
+        _check(
+            self.data.max_len + 1 <= self.model.max_positions,
+            "data.max_len",
+            f"({self.data.max_len}) + 1 must be <= model.max_positions "
+            f"({self.model.max_positions}): "
+            "lower data.max_len or raise model.max_positions",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -255,7 +330,9 @@ def apply_override(raw: dict, item: str) -> None:
     """Set `a.b=c` in a nested dict; the value is parsed as YAML (so 128 is an int)."""
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"config error: --set {item!r}: expected KEY=VALUE, e.g. train.max_steps=200")
+        raise ConfigError(
+            f"config error: --set {item!r}: expected KEY=VALUE, e.g. train.max_steps=200"
+        )
     parts = key.strip().split(".")
     node = raw
     for part in parts[:-1]:
@@ -269,7 +346,9 @@ def apply_override(raw: dict, item: str) -> None:
         node[parts[-1]] = value
 
 
-def config_from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None) -> Config:
+def config_from_dict(
+    raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None
+) -> Config:
     """Build a Config from plain data, checking keys and types section by section."""
     lines = lines or {}
     return _build(Config, raw, prefix="", source=source, lines=lines)
@@ -278,8 +357,10 @@ def config_from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | 
 def _build(cls: type, raw: Any, prefix: str, source: str, lines: dict[str, int]) -> Any:
     where = _where(source, lines, prefix)
     if not isinstance(raw, dict):
-        raise ConfigError(f"config error: {where}{prefix.rstrip('.') or 'config'} must be a mapping, "
-                          f"got {type(raw).__name__}")
+        raise ConfigError(
+            f"config error: {where}{prefix.rstrip('.') or 'config'} must be a mapping, "
+            f"got {type(raw).__name__}"
+        )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -291,11 +372,15 @@ def _build(cls: type, raw: Any, prefix: str, source: str, lines: dict[str, int])
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f" (valid keys: {', '.join(names)})"
             section = prefix.rstrip(".") or "the config"
-            raise ConfigError(f"config error: {_where(source, lines, dotted)}{dotted} is not a key of "
-                              f"{section}{hint}")
+            raise ConfigError(
+                f"config error: {_where(source, lines, dotted)}{dotted} is not a key of "
+                f"{section}{hint}"
+            )
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", source, lines)
+            kwargs[key] = _build(
+                tp, value if value is not None else {}, f"{dotted}.", source, lines
+            )
         else:
             kwargs[key] = _coerce(value, tp, dotted, _where(source, lines, dotted))
     try:
@@ -326,12 +411,16 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"config error: {where}{key} must be one of {', '.join(map(str, args))}, "
-                              f"got {value!r}{hint}")
+            raise ConfigError(
+                f"config error: {where}{key} must be one of {', '.join(map(str, args))}, "
+                f"got {value!r}{hint}"
+            )
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"config error: {where}{key} must be a list of {len(args)} numbers, got {value!r}")
+            raise ConfigError(
+                f"config error: {where}{key} must be a list of {len(args)} numbers, got {value!r}"
+            )
         return tuple(_coerce(v, a, key, where) for v, a in zip(value, args))
     if tp is float and isinstance(value, str):
         try:  # YAML 1.1 reads 1e-9 (no dot) as a string
@@ -345,8 +434,10 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         str: lambda v: isinstance(v, str),
     }[tp](value)
     if not ok:
-        raise ConfigError(f"config error: {where}{key} must be {_type_name(tp)}, got {value!r} "
-                          f"({type(value).__name__})")
+        raise ConfigError(
+            f"config error: {where}{key} must be {_type_name(tp)}, got {value!r} "
+            f"({type(value).__name__})"
+        )
     return float(value) if tp is float else value
 
 

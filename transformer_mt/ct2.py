@@ -1,10 +1,10 @@
-"""`--engine ctranslate2`: translate and score with a CTranslate2 export (`tmt export`), through the same
-interface and output formats as our PyTorch engine.
+"""`--engine ctranslate2`: translate and score with a CTranslate2 export (`tmt export`), through the
+same interface and output formats as our PyTorch engine.
 
-Beam search asks CTranslate2 for the beam's finished hypotheses by log-probability and ranks them with our
-GNMT length penalty (CTranslate2's own penalty divides by |Y|^alpha); each sentence gets our length budget
-(a x |source| + b, its end-of-sentence included), so the two engines search the same space
-(scripts/ct2_agreement.py counts the identical outputs).
+Beam search asks CTranslate2 for the beam's finished hypotheses by log-probability and ranks them
+with our GNMT length penalty (CTranslate2's own penalty divides by |Y|^alpha); each sentence gets
+our length budget (a x |source| + b, its end-of-sentence included), so the two engines search the
+same space (scripts/ct2_agreement.py counts the identical outputs).
 """
 
 from __future__ import annotations
@@ -19,14 +19,28 @@ import torch
 
 from .checkpoint import resolve_checkpoint, run_dir_of
 from .config import ConfigError, load_config
-from .export import MANIFEST, ExportError, cached_export, export_tokenizer, import_ctranslate2, is_export
+from .export import (
+    MANIFEST,
+    ExportError,
+    cached_export,
+    export_tokenizer,
+    import_ctranslate2,
+    is_export,
+)
 from .search import Cancelled, Sampling, length_penalty, max_output_len
 from .translate import BaseTranslator, Scored, Translation, decode_overrides
 from .vocab import BOS, EOS, PAD
 
-Hyp = tuple[list[str], float | None, list[float]]  # pieces without EOS, log P (None: not known yet), per token
-COMPUTE_TYPES = {None: "default", "auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
-                 "int8": "int8"}
+# pieces without EOS, log P (None: not known yet), per token
+Hyp = tuple[list[str], float | None, list[float]]
+COMPUTE_TYPES = {
+    None: "default",
+    "auto": "auto",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "int8": "int8",
+}
 
 
 class CT2Translator(BaseTranslator):
@@ -35,10 +49,19 @@ class CT2Translator(BaseTranslator):
 
     engine = "ctranslate2"
 
-    def __init__(self, directory: str | Path, *, device: str = "auto", precision: str | None = None,
-                 beam: int | None = None, alpha: float | None = None,
-                 max_len: Sequence[float] | None = None, threads: int = 0):
-        """precision: the compute type (fp32, bf16, fp16, int8; default: as the export stores its weights)."""
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        device: str = "auto",
+        precision: str | None = None,
+        beam: int | None = None,
+        alpha: float | None = None,
+        max_len: Sequence[float] | None = None,
+        threads: int = 0,
+    ):
+        """precision: the compute type (fp32, bf16, fp16, int8; default: as the export stores its
+        weights)."""
         ct2 = import_ctranslate2()
         self.directory = Path(directory)
         manifest = json.loads((self.directory / MANIFEST).read_text())
@@ -46,51 +69,90 @@ class CT2Translator(BaseTranslator):
         self.decode = decode_overrides(self.config.decode, beam=beam, alpha=alpha, max_len=max_len)
         self.tokenizer = export_tokenizer(self.directory, manifest)
         self.checkpoint, self.step = self.directory / "model.bin", manifest.get("step")
-        self.max_positions, self.parameters = manifest["max_positions"], manifest.get("parameters", 0)
+        self.max_positions, self.parameters = (
+            manifest["max_positions"],
+            manifest.get("parameters", 0),
+        )
         self.device = _device(ct2, device)
         compute = COMPUTE_TYPES[precision]
         supported = ct2.get_supported_compute_types(self.device)
         if compute not in ("default", "auto") and compute not in supported:
-            raise ConfigError(f"--precision {precision}: CTranslate2 on this {self.device} supports "
-                              f"{', '.join(sorted(supported))}")
+            raise ConfigError(
+                f"--precision {precision}: CTranslate2 on this {self.device} supports "
+                f"{', '.join(sorted(supported))}"
+            )
         self.precision = manifest["quantization"] if compute == "default" else compute
-        self.model = ct2.Translator(str(self.directory), device=self.device, compute_type=compute,
-                                    inter_threads=1, intra_threads=threads or torch.get_num_threads())
+        self.model = ct2.Translator(
+            str(self.directory),
+            device=self.device,
+            compute_type=compute,
+            inter_threads=1,
+            intra_threads=threads or torch.get_num_threads(),
+        )
         self._specials = [self.tokenizer.tgt.id_to_piece(PAD), self.tokenizer.tgt.id_to_piece(BOS)]
 
-    def translate(self, lines: Sequence[str], *, beam: int | None = None, nbest: int = 1,
-                  attention: bool = False, alignment: bool = False, sampling: Sampling | None = None,
-                  generator: torch.Generator | None = None, token_scores: bool = True,
-                  alpha: float | None = None, max_len: Sequence[float] | None = None,
-                  should_stop: Callable[[], bool] | None = None) -> list[list[Translation]]:
+    def translate(
+        self,
+        lines: Sequence[str],
+        *,
+        beam: int | None = None,
+        nbest: int = 1,
+        attention: bool = False,
+        alignment: bool = False,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
+        token_scores: bool = True,
+        alpha: float | None = None,
+        max_len: Sequence[float] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[list[Translation]]:
         """The `nbest` best translations of each line, best first. token_scores=False leaves
-        token_logprobs empty and skips the scoring pass that computes them. alpha and max_len override the
-        decode settings for this call; should_stop is asked before the search and before each scoring pass
-        (CTranslate2 searches in one call) and True raises search.Cancelled."""
+        token_logprobs empty and skips the scoring pass that computes them. alpha and max_len
+        override the decode settings for this call; should_stop is asked before the search and
+        before each scoring pass (CTranslate2 searches in one call) and True raises
+        search.Cancelled."""
         if attention or alignment:
             raise ConfigError("attention and alignment need our engine: drop --engine ctranslate2")
-        if alpha is not None or max_len is not None:  # a shallow copy with this call's settings shares the model
+        # a shallow copy with this call's settings shares the model
+        if alpha is not None or max_len is not None:
             call = copy.copy(self)
             call.decode = decode_overrides(self.decode, alpha=alpha, max_len=max_len)
-            return call.translate(lines, beam=beam, nbest=nbest, sampling=sampling, generator=generator,
-                                  token_scores=token_scores, should_stop=should_stop)
+            return call.translate(
+                lines,
+                beam=beam,
+                nbest=nbest,
+                sampling=sampling,
+                generator=generator,
+                token_scores=token_scores,
+                should_stop=should_stop,
+            )
         stop = should_stop or (lambda: False)
         beam = self._beam(beam, nbest, sampling)
         if sampling is not None and sampling.seed is not None and generator is None:
             import_ctranslate2().set_random_seed(sampling.seed)
-        ids = [s[:self.max_positions - 1] for s in self.tokenizer.encode_src([x.strip() for x in lines])]
+        ids = [
+            s[: self.max_positions - 1]
+            for s in self.tokenizer.encode_src([x.strip() for x in lines])
+        ]
         live = [i for i in range(len(ids)) if ids[i]]
         d = self.decode  # our search's per-sentence output budget, for the source's pieces plus EOS
-        budgets = max_output_len(torch.tensor([len(ids[i]) + 1 for i in live], dtype=torch.long), d.max_len_a,
-                                 d.max_len_b, self.max_positions).tolist()
+        budgets = max_output_len(
+            torch.tensor([len(ids[i]) + 1 for i in live], dtype=torch.long),
+            d.max_len_a,
+            d.max_len_b,
+            self.max_positions,
+        ).tolist()
         _stop_if(stop)
         found = dict(zip(live, self._search([ids[i] for i in live], budgets, beam, sampling)))
         _stop_if(stop)
-        # Hypotheses the budget cut are scored (with EOS) to be ranked; then, when asked for, the ones kept
-        # get per-token log-probabilities: at most two scoring passes, the second over the n-best only.
+        # Hypotheses the budget cut are scored (with EOS) to be ranked; then, when asked for, the
+        # ones kept get per-token log-probabilities: at most two scoring passes, the second over the
+        # n-best only.
         self._rescore(ids, found, lambda h: h[1] is None)
-        found = {i: sorted(hyps, key=lambda h: -self._rank(h[0], h[1], beam, sampling))[:nbest]
-                 for i, hyps in found.items()}
+        found = {
+            i: sorted(hyps, key=lambda h: -self._rank(h[0], h[1], beam, sampling))[:nbest]
+            for i, hyps in found.items()
+        }
         if token_scores:
             _stop_if(stop)
             self._rescore(ids, found, lambda h: True)
@@ -99,10 +161,15 @@ class CT2Translator(BaseTranslator):
             out[i] = [self._translation(p, lp, tl, beam, sampling) for p, lp, tl in hyps]
         return out
 
-    def _rescore(self, ids: list[list[int]], found: dict[int, list[Hyp]], which: Callable[[Hyp], bool]) -> None:
-        """Replace the log-probability of the hypotheses `which` picks by score_batch's, with its per-token ones."""
+    def _rescore(
+        self, ids: list[list[int]], found: dict[int, list[Hyp]], which: Callable[[Hyp], bool]
+    ) -> None:
+        """Replace the log-probability of the hypotheses `which` picks by score_batch's, with its
+        per-token ones."""
         todo = [(i, k) for i, hyps in found.items() for k, h in enumerate(hyps) if which(h)]
-        for (i, k), lp in zip(todo, self._score([ids[i] for i, _ in todo], [found[i][k][0] for i, k in todo])):
+        for (i, k), lp in zip(
+            todo, self._score([ids[i] for i, _ in todo], [found[i][k][0] for i, k in todo])
+        ):
             found[i][k] = (found[i][k][0], sum(lp), lp)
 
     def _stream_generator(self, sampling: Sampling) -> torch.Generator:
@@ -112,41 +179,66 @@ class CT2Translator(BaseTranslator):
         return torch.Generator()
 
     def translate_text(self, lines: Sequence[str], *, beam: int | None = None) -> list[str]:
-        """One output line per input line, without the scoring pass for per-token log-probabilities."""
+        """One output line per input line, without the scoring pass for per-token
+        log-probabilities."""
         return [hyps[0].text for hyps in self.translate(lines, beam=beam, token_scores=False)]
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
-        """Forced decoding by CTranslate2's score_batch: log P(target | source) with per-token log-probabilities."""
+        """Forced decoding by CTranslate2's score_batch: log P(target | source) with per-token
+        log-probabilities."""
         src_ids, tgt_ids = self._encode_pairs(sources, targets)
         logps = self._score(src_ids, [self.tokenizer.tgt.id_to_piece(t) for t in tgt_ids])
-        return [Scored(s, t, sum(lp), self.tokenizer.tgt.id_to_piece(ids), lp)
-                for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)]
+        return [
+            Scored(s, t, sum(lp), self.tokenizer.tgt.id_to_piece(ids), lp)
+            for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)
+        ]
 
-    # ----------------------------------------------------------------------------------------- internals
+    # -----------------------------------------------------------------------------------------
+    # internals
 
-    def _search(self, ids: list[list[int]], budgets: list[int], beam: int, sampling: Sampling | None
-                ) -> list[list[Hyp]]:
-        """(pieces, log-probability or None, []) of each source's hypotheses, within its own length budget.
+    def _search(
+        self, ids: list[list[int]], budgets: list[int], beam: int, sampling: Sampling | None
+    ) -> list[list[Hyp]]:
+        """(pieces, log-probability or None, []) of each source's hypotheses, within its own length
+        budget.
 
-        CTranslate2 takes one max_decoding_length per call, so sentences go in groups of one budget each.
-        At the budget our search ends every live hypothesis with EOS, where CTranslate2 keeps the best
-        `beam` extensions of them (a hypothesis cut there, log-probability None, is rescored with EOS) and
-        returns only `beam` of all it finished, by its own penalty. So a sentence whose search reached its
-        budget is searched again, returning every hypothesis (patience 2: no search of ours finishes more
-        than 2 x beam - 1 within the budget), to the budget and to one token less: the cut hypotheses of
-        the second are the live ones our last step ends. See _penalty for what can still differ."""
+        CTranslate2 takes one max_decoding_length per call, so sentences go in groups of one budget
+        each. At the budget our search ends every live hypothesis with EOS, where CTranslate2 keeps
+        the best `beam` extensions of them (a hypothesis cut there, log-probability None, is
+        rescored with EOS) and returns only `beam` of all it finished, by its own penalty. So a
+        sentence whose search reached its budget is searched again, returning every hypothesis
+        (patience 2: no search of ours finishes more than 2 x beam - 1 within the budget), to the
+        budget and to one token less: the cut hypotheses of the second are the live ones our last
+        step ends. See _penalty for what can still differ."""
         lp = _penalty(self.decode.alpha)
-        options: dict[str, Any] = dict(beam_size=beam, num_hypotheses=beam, length_penalty=lp, return_scores=True,
-                                       return_end_token=True, min_decoding_length=0, max_input_length=0,
-                                       batch_type="tokens", max_batch_size=max(1, self.decode.max_src_tokens // beam))
+        options: dict[str, Any] = dict(
+            beam_size=beam,
+            num_hypotheses=beam,
+            length_penalty=lp,
+            return_scores=True,
+            return_end_token=True,
+            min_decoding_length=0,
+            max_input_length=0,
+            batch_type="tokens",
+            max_batch_size=max(1, self.decode.max_src_tokens // beam),
+        )
         if sampling is not None:
-            options.update(beam_size=1, num_hypotheses=1, sampling_topk=sampling.topk if sampling.temperature else 1,
-                           sampling_topp=sampling.topp, sampling_temperature=sampling.temperature or 1.0,
-                           suppress_sequences=[[p] for p in self._specials])  # ours samples without them too
+            options.update(
+                beam_size=1,
+                num_hypotheses=1,
+                sampling_topk=sampling.topk if sampling.temperature else 1,
+                sampling_topp=sampling.topp,
+                sampling_temperature=sampling.temperature or 1.0,
+                # ours samples without them too
+                suppress_sequences=[[p] for p in self._specials],
+            )
         found = self._by_budget(ids, budgets, budgets, options)
         if beam > 1 and sampling is None:  # a hypothesis of budget - 1 pieces ended at the budget
-            again = [i for i, hyps in enumerate(found) if budgets[i] > 1 and any(len(h[0]) == budgets[i] - 1
-                                                                                 for h in hyps)]
+            again = [
+                i
+                for i, hyps in enumerate(found)
+                if budgets[i] > 1 and any(len(h[0]) == budgets[i] - 1 for h in hyps)
+            ]
             every = {**options, "patience": 2.0, "num_hypotheses": 2 * beam}
             src, limit = [ids[i] for i in again], [budgets[i] for i in again]
             full = self._by_budget(src, limit, limit, every)
@@ -155,53 +247,92 @@ class CT2Translator(BaseTranslator):
                 found[i] = _unique(a + b)
         return found
 
-    def _by_budget(self, ids: list[list[int]], budgets: list[int], steps: list[int], options: dict[str, Any]
-                   ) -> list[list[Hyp]]:
-        """Hypotheses of each source decoded for at most `steps` tokens, judged against its `budget`.
+    def _by_budget(
+        self, ids: list[list[int]], budgets: list[int], steps: list[int], options: dict[str, Any]
+    ) -> list[list[Hyp]]:
+        """Hypotheses of each source decoded for at most `steps` tokens, judged against its
+        `budget`.
 
-        Our search masks PAD and BOS after the softmax; CTranslate2 suppresses tokens before it, which
-        renormalises every step's log-probabilities and reorders near-ties. So sources are searched with
-        nothing suppressed (the log-probabilities ours ranks by), and only one whose hypotheses picked PAD
-        or BOS (a model that gives them weight) is searched again with the two suppressed."""
+        Our search masks PAD and BOS after the softmax; CTranslate2 suppresses tokens before it,
+        which renormalises every step's log-probabilities and reorders near-ties. So sources are
+        searched with nothing suppressed (the log-probabilities ours ranks by), and only one whose
+        hypotheses picked PAD or BOS (a model that gives them weight) is searched again with the two
+        suppressed."""
         out = self._decode(ids, budgets, steps, options)
-        odd = [i for i, hyps in enumerate(out) if any(set(self._specials) & set(h[0]) for h in hyps)]
-        again = self._decode([ids[i] for i in odd], [budgets[i] for i in odd], [steps[i] for i in odd],
-                             {**options, "suppress_sequences": [[p] for p in self._specials]})
+        odd = [
+            i for i, hyps in enumerate(out) if any(set(self._specials) & set(h[0]) for h in hyps)
+        ]
+        again = self._decode(
+            [ids[i] for i in odd],
+            [budgets[i] for i in odd],
+            [steps[i] for i in odd],
+            {**options, "suppress_sequences": [[p] for p in self._specials]},
+        )
         for i, hyps in zip(odd, again):
             out[i] = hyps
         return out
 
-    def _decode(self, ids: list[list[int]], budgets: list[int], steps: list[int], options: dict[str, Any]
-                ) -> list[list[Hyp]]:
-        """One asynchronous CTranslate2 call per distinct number of steps, so the calls queue back to back."""
+    def _decode(
+        self, ids: list[list[int]], budgets: list[int], steps: list[int], options: dict[str, Any]
+    ) -> list[list[Hyp]]:
+        """One asynchronous CTranslate2 call per distinct number of steps, so the calls queue back
+        to back."""
         eos = self.tokenizer.tgt.id_to_piece(EOS)
         groups: dict[int, list[int]] = {}
         for i, n in enumerate(steps):
             groups.setdefault(n, []).append(i)
-        pending = [(members, self.model.translate_batch([self.tokenizer.src.id_to_piece(ids[i]) for i in members],
-                                                        max_decoding_length=n, asynchronous=True, **options))
-                   for n, members in groups.items()]
+        pending = [
+            (
+                members,
+                self.model.translate_batch(
+                    [self.tokenizer.src.id_to_piece(ids[i]) for i in members],
+                    max_decoding_length=n,
+                    asynchronous=True,
+                    **options,
+                ),
+            )
+            for n, members in groups.items()
+        ]
         out: list[list[Hyp]] = [[] for _ in ids]
         for members, results in pending:
             for i, r in zip(members, results):
                 r = r.result()
-                out[i] = [_hypothesis(h, s, eos, budgets[i], options["length_penalty"])
-                          for h, s in zip(r.hypotheses, r.scores)]
+                out[i] = [
+                    _hypothesis(h, s, eos, budgets[i], options["length_penalty"])
+                    for h, s in zip(r.hypotheses, r.scores)
+                ]
         return out
 
     def _score(self, src_ids: list[list[int]], tgt_pieces: list[list[str]]) -> list[list[float]]:
         src = [self.tokenizer.src.id_to_piece(x) for x in src_ids]
-        results = self.model.score_batch(src, tgt_pieces, max_batch_size=self.decode.max_src_tokens,
-                                         batch_type="tokens", max_input_length=0)
+        results = self.model.score_batch(
+            src,
+            tgt_pieces,
+            max_batch_size=self.decode.max_src_tokens,
+            batch_type="tokens",
+            max_input_length=0,
+        )
         return [list(r.log_probs) for r in results]
 
-    def _rank(self, pieces: list[str], logprob: float, beam: int, sampling: Sampling | None) -> float:
-        """What ranks a hypothesis, as in our search: log P / lp(|Y| + 1) under beam search, else log P."""
-        return logprob / length_penalty(len(pieces) + 1, self.decode.alpha) if beam > 1 and sampling is None \
+    def _rank(
+        self, pieces: list[str], logprob: float, beam: int, sampling: Sampling | None
+    ) -> float:
+        """What ranks a hypothesis, as in our search: log P / lp(|Y| + 1) under beam search, else
+        log P."""
+        return (
+            logprob / length_penalty(len(pieces) + 1, self.decode.alpha)
+            if beam > 1 and sampling is None
             else logprob
+        )
 
-    def _translation(self, pieces: list[str], logprob: float, token_logprobs: list[float], beam: int,
-                     sampling: Sampling | None) -> Translation:
+    def _translation(
+        self,
+        pieces: list[str],
+        logprob: float,
+        token_logprobs: list[float],
+        beam: int,
+        sampling: Sampling | None,
+    ) -> Translation:
         score = self._rank(pieces, logprob, beam, sampling)
         text = self.tokenizer.decode_tgt([self.tokenizer.tgt.piece_to_id(list(pieces))])[0]
         return Translation(text, list(pieces), logprob, score, token_logprobs)
@@ -213,17 +344,18 @@ def _stop_if(should_stop: Callable[[], bool]) -> None:
 
 
 def _penalty(alpha: float) -> float:
-    """CTranslate2's length penalty (score / |Y|^p) for our GNMT alpha. It must not be 0: with 0 CTranslate2
-    stops once its best hypothesis is finished, where ours (and its own with a penalty) waits for `beam`
-    finished ones. It also decides which `beam` of up to 2 x beam - 1 finished hypotheses a search that
-    ended before its budget returns, so p approximates GNMT's ratios over usual lengths:
-    log((5 + 20) / (5 + 5)) = 0.66 log(20 / 5).
+    """CTranslate2's length penalty (score / |Y|^p) for our GNMT alpha. It must not be 0: with 0
+    CTranslate2 stops once its best hypothesis is finished, where ours (and its own with a penalty)
+    waits for `beam` finished ones. It also decides which `beam` of up to 2 x beam - 1 finished
+    hypotheses a search that ended before its budget returns, so p approximates GNMT's ratios over
+    usual lengths: log((5 + 20) / (5 + 5)) = 0.66 log(20 / 5).
 
-    What can still differ from our search (scripts/ct2_agreement.py measures it): our best hypothesis left
-    out by that choice (the two penalties rank it differently); at the budget, a live hypothesis that took
-    the place of one ending in EOS one step before and none of whose extensions is among CTranslate2's best
-    `beam` at the budget; a model that puts PAD or BOS among its best candidates (searched again with them
-    suppressed, see _by_budget); and near-ties that float rounding orders differently in the two engines."""
+    What can still differ from our search (scripts/ct2_agreement.py measures it): our best
+    hypothesis left out by that choice (the two penalties rank it differently); at the budget, a
+    live hypothesis that took the place of one ending in EOS one step before and none of whose
+    extensions is among CTranslate2's best `beam` at the budget; a model that puts PAD or BOS among
+    its best candidates (searched again with them suppressed, see _by_budget); and near-ties that
+    float rounding orders differently in the two engines."""
     return max(alpha * 0.66, 1e-3)
 
 
@@ -231,7 +363,7 @@ def _hypothesis(pieces: list[str], score: float, eos: str, budget: int, lp: floa
     """(pieces without EOS, log-probability or None when cut at the budget, [])."""
     if pieces and pieces[-1] == eos and len(pieces) <= budget:
         return pieces[:-1], score * len(pieces) ** lp, []  # undo CTranslate2's length normalisation
-    return pieces[:budget - 1], None, []
+    return pieces[: budget - 1], None, []
 
 
 def _unique(hyps: list[Hyp]) -> list[Hyp]:
@@ -252,19 +384,29 @@ def _device(ct2: Any, device: str) -> str:
     return device
 
 
-def load_ct2_translator(checkpoint: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
-                        device: str = "auto", precision: str | None = None, beam: int | None = None,
-                        alpha: float | None = None, max_len: Sequence[float] | None = None) -> CT2Translator:
-    """A CT2Translator for an export directory, or for a checkpoint / run directory (exported once, as
-    float32, into the run's ct2-cache/; CTranslate2 converts to the compute type on load)."""
+def load_ct2_translator(
+    checkpoint: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    *,
+    device: str = "auto",
+    precision: str | None = None,
+    beam: int | None = None,
+    alpha: float | None = None,
+    max_len: Sequence[float] | None = None,
+) -> CT2Translator:
+    """A CT2Translator for an export directory, or for a checkpoint / run directory (exported once,
+    as float32, into the run's ct2-cache/; CTranslate2 converts to the compute type on load)."""
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
         if len(checkpoint) > 1:
-            raise ExportError("CTranslate2 decodes one model: ensembles need --engine torch (or average the "
-                              "checkpoints with tmt average)")
+            raise ExportError(
+                "CTranslate2 decodes one model: ensembles need --engine torch (or average the "
+                "checkpoints with tmt average)"
+            )
         checkpoint = checkpoint[0]
     if checkpoint is not None and is_export(checkpoint):
         directory = Path(checkpoint)
     else:
         path = resolve_checkpoint(checkpoint)
         directory = cached_export(path, run_dir_of(path) / "ct2-cache")
-    return CT2Translator(directory, device=device, precision=precision, beam=beam, alpha=alpha, max_len=max_len)
+    return CT2Translator(
+        directory, device=device, precision=precision, beam=beam, alpha=alpha, max_len=max_len
+    )

@@ -52,8 +52,11 @@ def iter_split(cfg: DataConfig, split: str) -> Iterator[tuple[str, str]]:
     """(source, target) pairs of one split, streamed: a corpus larger than memory can be read."""
     where = getattr(cfg, split)
     if where is None:
-        raise DataError(f"data.{split} is not set in the config: give a "
-                        + ("split name" if cfg.format == "hf" else "path") + f" for the {split} split")
+        raise DataError(
+            f"data.{split} is not set in the config: give a "
+            + ("split name" if cfg.format == "hf" else "path")
+            + f" for the {split} split"
+        )
     if cfg.format == "text":
         src_path, tgt_path = (text_file(where, lang) for lang in (cfg.src_lang, cfg.tgt_lang))
         yield from _iter_text_pairs(src_path, tgt_path, f"data.{split}", cfg.invalid_utf8)
@@ -80,22 +83,29 @@ class _LineDecoder:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
             if not self.replace:
-                raise DataError(f"{self.path}:{n}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
-                                "re-encode the file as UTF-8, or set data.invalid_utf8: replace") from None
+                raise DataError(
+                    f"{self.path}:{n}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
+                    "re-encode the file as UTF-8, or set data.invalid_utf8: replace"
+                ) from None
             self.replaced += 1
             self.first = self.first or n
             return raw.decode("utf-8", errors="replace")
 
     def warn(self) -> None:
         if self.replaced:
-            log.warning("%s: %d line(s) with invalid UTF-8 (first: line %d); bytes replaced by U+FFFD",
-                        self.path, self.replaced, self.first)
+            log.warning(
+                "%s: %d line(s) with invalid UTF-8 (first: line %d); bytes replaced by U+FFFD",
+                self.path,
+                self.replaced,
+                self.first,
+            )
 
 
 class TextLines:
-    """The lines of a binary stream (stdin, a --input file) as text, each ending at "\\n" only and keeping it, the
-    policy of every file a user decodes or scores: invalid UTF-8 becomes U+FFFD, and warn() says once, at the
-    end, how many lines had any (never a traceback, never a silent replacement)."""
+    """The lines of a binary stream (stdin, a --input file) as text, each ending at "\\n" only and
+    keeping it, the policy of every file a user decodes or scores: invalid UTF-8 becomes U+FFFD, and
+    warn() says once, at the end, how many lines had any (never a traceback, never a silent
+    replacement)."""
 
     def __init__(self, raw: BinaryIO, name: str):
         self.raw, self.n = raw, 0
@@ -105,7 +115,8 @@ class TextLines:
         return self.raw.isatty()
 
     def readline(self) -> str:
-        raw = self.raw.readline()  # returns as soon as a line is there: a person at a terminal gets answers
+        # returns as soon as a line is there: a person at a terminal gets answers
+        raw = self.raw.readline()
         if not raw:
             return ""
         self.n += 1
@@ -119,14 +130,20 @@ class TextLines:
 
 
 def pair_lines(src: str | os.PathLike, tgt: str | os.PathLike) -> Iterator[tuple[str, str]]:
-    """Line N of each of two files (plain or .gz), streamed; a length mismatch is an error with both counts.
-    Invalid UTF-8 is replaced and counted, as in every file given to translate, score or evaluate (TextLines)."""
+    """Line N of each of two files (plain or .gz), streamed; a length mismatch is an error with both
+    counts. Invalid UTF-8 is replaced and counted, as in every file given to translate, score or
+    evaluate (TextLines)."""
     return _iter_text_pairs(Path(src), Path(tgt), "--src/--ref", "replace")
 
 
-def _iter_text_pairs(src_path: Path, tgt_path: Path, where: str, invalid_utf8: str) -> Iterator[tuple[str, str]]:
+def _iter_text_pairs(
+    src_path: Path, tgt_path: Path, where: str, invalid_utf8: str
+) -> Iterator[tuple[str, str]]:
     """Line N of each file, decoded; a length mismatch is reported with both counts."""
-    decode_src, decode_tgt = _LineDecoder(src_path, invalid_utf8), _LineDecoder(tgt_path, invalid_utf8)
+    decode_src, decode_tgt = (
+        _LineDecoder(src_path, invalid_utf8),
+        _LineDecoder(tgt_path, invalid_utf8),
+    )
     with _open_binary(src_path) as fs, _open_binary(tgt_path) as ft:
         n = 0
         try:
@@ -134,18 +151,23 @@ def _iter_text_pairs(src_path: Path, tgt_path: Path, where: str, invalid_utf8: s
                 if bs is None or bt is None:
                     n_src = n - 1 + (bs is not None) + sum(1 for _ in fs)
                     n_tgt = n - 1 + (bt is not None) + sum(1 for _ in ft)
-                    raise DataError(f"{where}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
-                                    "line N of one must translate line N of the other")
+                    raise DataError(
+                        f"{where}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
+                        "line N of one must translate line N of the other"
+                    )
                 yield decode_src(bs, n), decode_tgt(bt, n)
         except (OSError, EOFError) as e:
-            raise DataError(f"cannot read corpus file {src_path} or {tgt_path} (line {n}): {e}") from None
+            raise DataError(
+                f"cannot read corpus file {src_path} or {tgt_path} (line {n}): {e}"
+            ) from None
     decode_src.warn()
     decode_tgt.warn()
 
 
 def _iter_tsv_pairs(path: Path, invalid_utf8: str) -> Iterator[tuple[str, str]]:
-    """Rows of exactly two tab-separated fields, taken verbatim (no quoting, no NA values). Any other
-    number of fields stops at file:line: guessing would pair a sentence with the wrong translation."""
+    """Rows of exactly two tab-separated fields, taken verbatim (no quoting, no NA values). Any
+    other number of fields stops at file:line: guessing would pair a sentence with the wrong
+    translation."""
     decode = _LineDecoder(path, invalid_utf8)
     with _open_binary(path) as f:
         n = 0
@@ -153,9 +175,11 @@ def _iter_tsv_pairs(path: Path, invalid_utf8: str) -> Iterator[tuple[str, str]]:
             for n, raw in enumerate(f, 1):
                 fields = decode(raw, n).split("\t")
                 if len(fields) != 2:
-                    raise DataError(f"{path}:{n}: expected 2 tab-separated fields (source, target), found "
-                                    f"{len(fields)}; a tab inside a sentence must be replaced, and a blank "
-                                    "line removed")
+                    raise DataError(
+                        f"{path}:{n}: expected 2 tab-separated fields (source, target), found "
+                        f"{len(fields)}; a tab inside a sentence must be replaced, and a blank "
+                        "line removed"
+                    )
                 yield fields[0], fields[1]
         except (OSError, EOFError) as e:
             raise DataError(f"cannot read corpus file {path} (line {n}): {e}") from None
@@ -176,8 +200,10 @@ def text_file(prefix: str, lang: str) -> Path:
     for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
         if candidate.is_file():
             return candidate
-    raise DataError(f"corpus file not found: {prefix}.{lang} (or {prefix}.{lang}.gz); "
-                    f"check the data paths in the config (relative paths start at {os.getcwd()})")
+    raise DataError(
+        f"corpus file not found: {prefix}.{lang} (or {prefix}.{lang}.gz); "
+        f"check the data paths in the config (relative paths start at {os.getcwd()})"
+    )
 
 
 def record_file(where: str, split: str) -> Path:
@@ -188,8 +214,9 @@ def record_file(where: str, split: str) -> Path:
 
 
 def read_lines(path: str | os.PathLike, invalid_utf8: str = "replace") -> list[str]:
-    """All lines of a UTF-8 text file (optionally .gz), without line endings; invalid UTF-8 is replaced and
-    counted in one warning (TextLines' policy), or with invalid_utf8="error" stops at file:line."""
+    """All lines of a UTF-8 text file (optionally .gz), without line endings; invalid UTF-8 is
+    replaced and counted in one warning (TextLines' policy), or with invalid_utf8="error" stops at
+    file:line."""
     path = Path(path)
     decode = _LineDecoder(path, invalid_utf8)
     with _open_binary(path) as f:
@@ -206,12 +233,16 @@ def _iter_records(cfg: DataConfig, split: str, where: str) -> Iterator[tuple[str
     (rows come from memory-mapped Arrow files, not from RAM)."""
     src_field, tgt_field = cfg.fields
     if cfg.format == "jsonl":
-        ds = _datasets().load_dataset("json", data_files={split: str(record_file(where, split))}, split=split)
+        ds = _datasets().load_dataset(
+            "json", data_files={split: str(record_file(where, split))}, split=split
+        )
     else:
         ds = load_hub_dataset(cfg.dataset, cfg.dataset_config, where)
     for row in ds:
-        yield (_field(row, src_field, f"data.{split}", "src_field"),
-               _field(row, tgt_field, f"data.{split}", "tgt_field"))
+        yield (
+            _field(row, src_field, f"data.{split}", "src_field"),
+            _field(row, tgt_field, f"data.{split}", "tgt_field"),
+        )
 
 
 def _field(row: dict, dotted: str, where: str, key: str) -> str:
@@ -219,8 +250,10 @@ def _field(row: dict, dotted: str, where: str, key: str) -> str:
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
             fields = ", ".join(row.keys())
-            raise DataError(f"{where}: records have no field {dotted!r} (fields: {fields}); "
-                            f"set data.{key} (dots reach into nested fields, e.g. translation.en)")
+            raise DataError(
+                f"{where}: records have no field {dotted!r} (fields: {fields}); "
+                f"set data.{key} (dots reach into nested fields, e.g. translation.en)"
+            )
         value = value[part]
     return "" if value is None else str(value)
 
@@ -235,7 +268,9 @@ def _datasets():
 def load_hub_dataset(name: str, config: str | None, split: str):
     """`datasets.load_dataset` for a hub name; offline it uses the local cache or fails fast."""
     datasets = _datasets()
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not _hub_reachable()
+    offline = (
+        os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not _hub_reachable()
+    )
     if offline:
         # Without this the hub client retries for about half a minute before giving up.
         import huggingface_hub.constants
@@ -247,11 +282,16 @@ def load_hub_dataset(name: str, config: str | None, split: str):
     except Exception as e:  # the hub client raises many types; all mean "could not load"
         if offline:
             raise DataError(
-                f"data.dataset: cannot load {name!r} from the Hugging Face hub: the hub is not reachable "
-                "from this machine (offline) and the dataset is not in the local cache. Download it once "
-                "on a machine with internet, or point the config at local files (data.format: text)."
+                f"data.dataset: cannot load {name!r} from the Hugging Face hub: the hub is not "
+                "reachable "
+                "from this machine (offline) and the dataset is not in the local cache. Download "
+                "it once "
+                "on a machine with internet, or point the config at local files (data.format: "
+                "text)."
             ) from None
-        raise DataError(f"data.dataset: cannot load {name!r} (config {config!r}, split {split!r}): {e}") from None
+        raise DataError(
+            f"data.dataset: cannot load {name!r} (config {config!r}, split {split!r}): {e}"
+        ) from None
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -287,43 +327,58 @@ class TokenizedCorpus:
         return np.diff(self.tgt_offsets)
 
     def src(self, i: int) -> np.ndarray:
-        return self.src_ids[self.src_offsets[i]:self.src_offsets[i + 1]]
+        return self.src_ids[self.src_offsets[i] : self.src_offsets[i + 1]]
 
     def tgt(self, i: int) -> np.ndarray:
-        return self.tgt_ids[self.tgt_offsets[i]:self.tgt_offsets[i + 1]]
+        return self.tgt_ids[self.tgt_offsets[i] : self.tgt_offsets[i + 1]]
 
     @classmethod
-    def from_lists(cls, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]]) -> "TokenizedCorpus":
+    def from_lists(
+        cls, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]]
+    ) -> "TokenizedCorpus":
         (src_ids, src_lens), (tgt_ids, tgt_lens) = _flatten(src), _flatten(tgt)
         return cls(src_ids, _offsets(src_lens), tgt_ids, _offsets(tgt_lens))
 
     @classmethod
     def load(cls, folder: Path) -> "TokenizedCorpus":
         """Token ids stay on disk (memory-mapped): only the pages a batch touches are read."""
+
         def ids(name: str) -> np.ndarray:
             path = folder / f"{name}.bin"
-            return np.memmap(path, dtype=np.int32, mode="r") if path.stat().st_size else np.zeros(0, np.int32)
+            return (
+                np.memmap(path, dtype=np.int32, mode="r")
+                if path.stat().st_size
+                else np.zeros(0, np.int32)
+            )
 
-        return cls(ids("src_ids"), np.load(folder / "src_offsets.npy"), ids("tgt_ids"),
-                   np.load(folder / "tgt_offsets.npy"))
+        return cls(
+            ids("src_ids"),
+            np.load(folder / "src_offsets.npy"),
+            ids("tgt_ids"),
+            np.load(folder / "tgt_offsets.npy"),
+        )
 
 
 class _CorpusWriter:
-    """Appends tokenized chunks to raw int32 files in a folder of its own; offsets and the publishing
-    rename come at the end (see _publish: two processes filling the same entry at once both succeed)."""
+    """Appends tokenized chunks to raw int32 files in a folder of its own; offsets and the
+    publishing rename come at the end (see _publish: two processes filling the same entry at once
+    both succeed)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
 
     def __enter__(self) -> "_CorpusWriter":
         self.folder.parent.mkdir(parents=True, exist_ok=True)
-        # Unique per writer (not per pid: threads, and a pid reused after a crash): nobody else touches it.
+        # Unique per writer (not per pid: threads, and a pid reused after a crash): nobody else
+        # touches it.
         self.tmp = temp_dir(self.folder.parent, prefix=f"{self.folder.name}.tmp{os.getpid()}-")
         self.files = [open(self.tmp / "src_ids.bin", "wb"), open(self.tmp / "tgt_ids.bin", "wb")]
         self.lens: list[list[np.ndarray]] = [[], []]
         return self
 
-    def add(self, src_ids: np.ndarray, src_lens: np.ndarray, tgt_ids: np.ndarray, tgt_lens: np.ndarray) -> None:
+    def add(
+        self, src_ids: np.ndarray, src_lens: np.ndarray, tgt_ids: np.ndarray, tgt_lens: np.ndarray
+    ) -> None:
         for side, (ids, lens) in enumerate(((src_ids, src_lens), (tgt_ids, tgt_lens))):
             self.files[side].write(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
             self.lens[side].append(np.asarray(lens, dtype=np.int64))
@@ -343,9 +398,10 @@ class _CorpusWriter:
 
 
 def _publish(tmp: Path, folder: Path) -> None:
-    """Rename a finished cache entry into place. The rename is atomic, so a reader sees a whole entry or none;
-    it never replaces a complete entry (a reader may be memory-mapping it): when another process published
-    the same entry first, its copy holds the same ids and ours is dropped."""
+    """Rename a finished cache entry into place. The rename is atomic, so a reader sees a whole
+    entry or none; it never replaces a complete entry (a reader may be memory-mapping it): when
+    another process published the same entry first, its copy holds the same ids and ours is
+    dropped."""
     for attempt in range(2):
         try:
             os.rename(tmp, folder)  # onto an existing non-empty folder: OSError, whoever wrote it
@@ -356,13 +412,16 @@ def _publish(tmp: Path, folder: Path) -> None:
         if (folder / "tgt_offsets.npy").exists():  # complete: another writer won
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        if not attempt:  # incomplete: not written by this code, which publishes whole folders; move it aside
+        # incomplete: not written by this code, which publishes whole folders; move it aside
+        if not attempt:
             aside = temp_dir(folder.parent, prefix=f"{folder.name}.stale-")
             with contextlib.suppress(OSError):  # another process may have moved it already
                 os.replace(folder, aside / folder.name)
             shutil.rmtree(aside, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    raise DataError(f"token cache entry {folder} exists but is incomplete and cannot be replaced: delete it")
+    raise DataError(
+        f"token cache entry {folder} exists but is incomplete and cannot be replaced: delete it"
+    )
 
 
 def _flatten(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -379,11 +438,17 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
 
 
 def corpus_key(cfg: DataConfig, split: str, tokenizer: Tokenizer) -> str:
-    """Identifies a tokenized split by what it holds: the corpus files' contents (or the hub dataset's
-    fingerprint) and the tokenizer. A rewrite that keeps size and mtime (cp -p, rsync -t) is seen."""
+    """Identifies a tokenized split by what it holds: the corpus files' contents (or the hub
+    dataset's fingerprint) and the tokenizer. A rewrite that keeps size and mtime (cp -p, rsync -t)
+    is seen."""
     where = getattr(cfg, split)
-    ident: dict = {"cache_format": 3, "format": cfg.format, "split": where, "fields": cfg.fields,
-                   "tokenizer": tokenizer.digest}
+    ident: dict = {
+        "cache_format": 3,
+        "format": cfg.format,
+        "split": where,
+        "fields": cfg.fields,
+        "tokenizer": tokenizer.digest,
+    }
     if cfg.format == "text":
         files = [text_file(where, lang) for lang in (cfg.src_lang, cfg.tgt_lang)]
     elif cfg.format in ("tsv", "jsonl"):
@@ -391,7 +456,8 @@ def corpus_key(cfg: DataConfig, split: str, tokenizer: Tokenizer) -> str:
     else:
         files = []
         ds = load_hub_dataset(cfg.dataset, cfg.dataset_config, where)
-        ident["dataset"] = [cfg.dataset, cfg.dataset_config, ds._fingerprint]  # changes with the data's revision
+        # changes with the data's revision
+        ident["dataset"] = [cfg.dataset, cfg.dataset_config, ds._fingerprint]
     ident["files"] = [_file_digest(f) for f in files]
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -406,12 +472,16 @@ def _file_digest(path: Path) -> str:
 
 
 def cache_dir(cfg: DataConfig) -> Path:
-    """data.cache_dir, else $TMT_CACHE, else ~/.cache/transformer_mt: shared by runs, keyed per corpus."""
-    return Path(cfg.cache_dir or os.environ.get("TMT_CACHE") or Path.home() / ".cache" / "transformer_mt")
+    """data.cache_dir, else $TMT_CACHE, else ~/.cache/transformer_mt: shared by runs, keyed per
+    corpus."""
+    return Path(
+        cfg.cache_dir or os.environ.get("TMT_CACHE") or Path.home() / ".cache" / "transformer_mt"
+    )
 
 
-def load_tokenized(cfg: DataConfig, split: str, tokenizer: Tokenizer, cache_dir: Path,
-                   chunk_size: int = 50_000) -> TokenizedCorpus:
+def load_tokenized(
+    cfg: DataConfig, split: str, tokenizer: Tokenizer, cache_dir: Path, chunk_size: int = 50_000
+) -> TokenizedCorpus:
     """Tokenize a split once, in chunks, into a cache of token-id arrays that later calls (and later
     runs) memory-map; memory stays bounded by the chunk, whatever the corpus size."""
     folder = Path(cache_dir) / f"{split}-{corpus_key(cfg, split, tokenizer)}"
@@ -420,7 +490,8 @@ def load_tokenized(cfg: DataConfig, split: str, tokenizer: Tokenizer, cache_dir:
     n = 0
     with _CorpusWriter(folder) as writer:
         for chunk in chunks(iter_split(cfg, split), chunk_size):
-            src_ids = tokenizer.encode_src([s for s, _ in chunk])  # SentencePiece encodes on all cores
+            # SentencePiece encodes on all cores
+            src_ids = tokenizer.encode_src([s for s, _ in chunk])
             tgt_ids = tokenizer.encode_tgt([t for _, t in chunk])
             writer.add(*_flatten(src_ids), *_flatten(tgt_ids))
             n += len(chunk)
@@ -444,30 +515,45 @@ def usable_indices(corpus: TokenizedCorpus, max_len: int, split: str) -> np.ndar
     if empty.any():
         log.warning("%s: dropped %d pairs with an empty side", split, int(empty.sum()))
     if too_long.any():
-        log.warning("%s: dropped %d pairs longer than data.max_len=%d tokens", split, int(too_long.sum()), max_len)
+        log.warning(
+            "%s: dropped %d pairs longer than data.max_len=%d tokens",
+            split,
+            int(too_long.sum()),
+            max_len,
+        )
     keep = np.flatnonzero(~(empty | too_long))
     if len(keep) == 0:
-        raise DataError(f"data.{split}: no usable sentence pairs (all empty or longer than data.max_len)")
+        raise DataError(
+            f"data.{split}: no usable sentence pairs (all empty or longer than data.max_len)"
+        )
     return keep
 
 
 # --------------------------------------------------------------------------- batching
 
 
-def make_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, *, seed: int, epoch: int,
-                 shuffle: bool = True) -> list[np.ndarray]:
+def make_batches(
+    src_lens: np.ndarray,
+    tgt_lens: np.ndarray,
+    max_tokens: int,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+) -> list[np.ndarray]:
     """Token-budget batches of similar-length pairs; a pure function of (lengths, seed, epoch).
 
     Each batch holds at most `max_tokens` = n_sentences x longest side (+1 for EOS/BOS).
     Pairs are sorted by their longer side, then by source length (ties broken by an epoch-seeded
-    shuffle), cut greedily, and the batch order is shuffled; BENCHMARKS.md gives the padding this leaves.
-    Returns positions into the length arrays.
+    shuffle), cut greedily, and the batch order is shuffled; BENCHMARKS.md gives the padding this
+    leaves. Returns positions into the length arrays.
     """
     n = len(src_lens)
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(n) if shuffle else np.arange(n)
     longer = np.maximum(src_lens, tgt_lens)
-    order = order[np.lexsort((src_lens[order], longer[order]))]  # stable: last key is the primary one
+    # stable: last key is the primary one
+    order = order[np.lexsort((src_lens[order], longer[order]))]
     batches = cut_batches(order, longer[order] + 1, max_tokens)
     if shuffle:
         rng.shuffle(batches)
@@ -504,8 +590,11 @@ class Batch:
 
     def to(self, device: torch.device) -> "Batch":
         nb = device.type == "cuda"
-        return Batch(*(t.to(device, non_blocking=nb) for t in (self.src, self.tgt_in, self.tgt_out)),
-                     self.n_tgt_tokens, self.n_src_tokens)
+        return Batch(
+            *(t.to(device, non_blocking=nb) for t in (self.src, self.tgt_in, self.tgt_out)),
+            self.n_tgt_tokens,
+            self.n_src_tokens,
+        )
 
 
 def collate(corpus: TokenizedCorpus, indices: Sequence[int]) -> Batch:
@@ -517,21 +606,23 @@ def collate(corpus: TokenizedCorpus, indices: Sequence[int]) -> Batch:
     tgt_out = np.full((B, T), PAD, dtype=np.int64)
     for b, t in enumerate(tgts):
         tgt_in[b, 0] = BOS
-        tgt_in[b, 1:len(t) + 1] = t
-        tgt_out[b, :len(t)] = t
+        tgt_in[b, 1 : len(t) + 1] = t
+        tgt_out[b, : len(t)] = t
         tgt_out[b, len(t)] = EOS
     n_tgt = sum(len(t) for t in tgts) + B
     n_src = sum(len(s) for s in srcs) + B
-    return Batch(pad_sources(srcs), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), n_tgt, n_src)
+    return Batch(
+        pad_sources(srcs), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), n_tgt, n_src
+    )
 
 
 def pad_sources(seqs: Sequence[Sequence[int]], max_len: int | None = None) -> torch.Tensor:
     """(B, S) source batch: ids (cut to max_len - 1 when given), then EOS, PAD-padded."""
     if max_len is not None:
-        seqs = [s[:max_len - 1] for s in seqs]
+        seqs = [s[: max_len - 1] for s in seqs]
     S = max(len(s) for s in seqs) + 1
     out = np.full((len(seqs), S), PAD, dtype=np.int64)
     for b, s in enumerate(seqs):
-        out[b, :len(s)] = s
+        out[b, : len(s)] = s
         out[b, len(s)] = EOS
     return torch.from_numpy(out)

@@ -8,6 +8,7 @@ All sentences and the lexicon were written for this project; only the standard l
 
     python -m transformer_mt.demo_corpus data/demo --train 24000 --valid 500 --test 1000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ class Noun(NamedTuple):
     de_obl: str | None = None  # weak masculine nouns ("n-Deklination"): den/dem Jungen
 
 
-def _noun(en: str, en_pl: str, de: str, de_pl: str, gender: str, tags: str,
-          de_obl: str | None = None) -> Noun:
+def _noun(
+    en: str, en_pl: str, de: str, de_pl: str, gender: str, tags: str, de_obl: str | None = None
+) -> Noun:
     return Noun(en, en_pl, de, de_pl, gender, frozenset(tags.split()), de_obl)
 
 
@@ -158,87 +160,249 @@ class Verb(NamedTuple):
     German forms are (ich, er/sie/es, wir/sie); separable verbs store the particle apart
     ("ruft ... an", verb-final "anruft"). `pps` lists (English preposition, noun tags)."""
 
-    en: str                      # base form: "see", "pick"
-    en3: str                     # 3rd person singular: "sees", "picks"
-    de: tuple[str, str, str]     # ich, er, wir/sie
-    kind: str                    # "tr", "ditr" (dative + accusative), "intr", "cop"
+    en: str  # base form: "see", "pick"
+    en3: str  # 3rd person singular: "sees", "picks"
+    de: tuple[str, str, str]  # ich, er, wir/sie
+    kind: str  # "tr", "ditr" (dative + accusative), "intr", "cop"
     subj: frozenset[str]
     obj: frozenset[str] = frozenset()
     iobj: frozenset[str] = frozenset()
     pps: tuple[tuple[str, frozenset[str]], ...] = ()
-    en_particle: str = ""        # "pick up"
-    de_particle: str = ""        # "abholen"
+    en_particle: str = ""  # "pick up"
+    de_particle: str = ""  # "abholen"
     de_animal: tuple[str, str, str] | None = None  # animals "fressen" instead of "essen"
     de_preps: tuple[tuple[str, str, str], ...] = ()  # verb-specific: wait for -> auf + Akk
 
 
-def _verb(en: str, en3: str, de: str, kind: str, subj: str, obj: str = "", iobj: str = "",
-          pps: tuple[tuple[str, str], ...] = (), **extra) -> Verb:
+def _verb(
+    en: str,
+    en3: str,
+    de: str,
+    kind: str,
+    subj: str,
+    obj: str = "",
+    iobj: str = "",
+    pps: tuple[tuple[str, str], ...] = (),
+    **extra,
+) -> Verb:
     ich, er, pl = de.split()
-    return Verb(en, en3, (ich, er, pl), kind, frozenset(subj.split()), frozenset(obj.split()),
-                frozenset(iobj.split()), tuple((p, frozenset(t.split())) for p, t in pps), **extra)
+    return Verb(
+        en,
+        en3,
+        (ich, er, pl),
+        kind,
+        frozenset(subj.split()),
+        frozenset(obj.split()),
+        frozenset(iobj.split()),
+        tuple((p, frozenset(t.split())) for p, t in pps),
+        **extra,
+    )
 
 
 _PLACES = "building room area"
 VERBS: tuple[Verb, ...] = (
     # transitive: subject, accusative object, optional prepositional phrase
-    _verb("see", "sees", "sehe sieht sehen", "tr", "person animal",
-          "person animal thing vehicle food", pps=(("in", _PLACES),)),
-    _verb("read", "reads", "lese liest lesen", "tr", "person", "readable",
-          pps=(("in", _PLACES),)),
-    _verb("buy", "buys", "kaufe kauft kaufen", "tr", "person", "thing vehicle food animal",
-          pps=(("for", "person"), ("in", "building area"))),
-    _verb("find", "finds", "finde findet finden", "tr", "person animal", "thing animal person",
-          pps=(("in", _PLACES), ("next to", "furniture building"))),
-    _verb("eat", "eats", "esse isst essen", "tr", "person animal", "food",
-          pps=(("in", _PLACES), ("with", "person")),
-          de_animal=("fresse", "frisst", "fressen")),
-    _verb("carry", "carries", "trage trägt tragen", "tr", "person", "thing food",
-          pps=(("to", "building area"), ("through", "area"), ("for", "person"))),
-    _verb("wash", "washes", "wasche wäscht waschen", "tr", "person",
-          "vehicle animal furniture tool",
-          pps=(("in", "room area"), ("for", "person"))),
-    _verb("take", "takes", "nehme nimmt nehmen", "tr", "person", "thing food",
-          pps=(("from", "furniture"), ("for", "person"))),
-    _verb("visit", "visits", "besuche besucht besuchen", "tr", "person", "person building area",
-          pps=(("with", "person animal"),)),
-    _verb("meet", "meets", "treffe trifft treffen", "tr", "person", "person",
-          pps=(("in", "building area"), ("next to", "building"))),
+    _verb(
+        "see",
+        "sees",
+        "sehe sieht sehen",
+        "tr",
+        "person animal",
+        "person animal thing vehicle food",
+        pps=(("in", _PLACES),),
+    ),
+    _verb("read", "reads", "lese liest lesen", "tr", "person", "readable", pps=(("in", _PLACES),)),
+    _verb(
+        "buy",
+        "buys",
+        "kaufe kauft kaufen",
+        "tr",
+        "person",
+        "thing vehicle food animal",
+        pps=(("for", "person"), ("in", "building area")),
+    ),
+    _verb(
+        "find",
+        "finds",
+        "finde findet finden",
+        "tr",
+        "person animal",
+        "thing animal person",
+        pps=(("in", _PLACES), ("next to", "furniture building")),
+    ),
+    _verb(
+        "eat",
+        "eats",
+        "esse isst essen",
+        "tr",
+        "person animal",
+        "food",
+        pps=(("in", _PLACES), ("with", "person")),
+        de_animal=("fresse", "frisst", "fressen"),
+    ),
+    _verb(
+        "carry",
+        "carries",
+        "trage trägt tragen",
+        "tr",
+        "person",
+        "thing food",
+        pps=(("to", "building area"), ("through", "area"), ("for", "person")),
+    ),
+    _verb(
+        "wash",
+        "washes",
+        "wasche wäscht waschen",
+        "tr",
+        "person",
+        "vehicle animal furniture tool",
+        pps=(("in", "room area"), ("for", "person")),
+    ),
+    _verb(
+        "take",
+        "takes",
+        "nehme nimmt nehmen",
+        "tr",
+        "person",
+        "thing food",
+        pps=(("from", "furniture"), ("for", "person")),
+    ),
+    _verb(
+        "visit",
+        "visits",
+        "besuche besucht besuchen",
+        "tr",
+        "person",
+        "person building area",
+        pps=(("with", "person animal"),),
+    ),
+    _verb(
+        "meet",
+        "meets",
+        "treffe trifft treffen",
+        "tr",
+        "person",
+        "person",
+        pps=(("in", "building area"), ("next to", "building")),
+    ),
     _verb("love", "loves", "liebe liebt lieben", "tr", "person animal", "person animal"),
     _verb("call", "calls", "rufe ruft rufen", "tr", "person", "person", de_particle="an"),
-    _verb("pick", "picks", "hole holt holen", "tr", "person", "person animal",
-          pps=(("from", "building"),), en_particle="up", de_particle="ab"),
-    _verb("open", "opens", "öffne öffnet öffnen", "tr", "person", "openable",
-          pps=(("with", "tool"), ("for", "person"))),
+    _verb(
+        "pick",
+        "picks",
+        "hole holt holen",
+        "tr",
+        "person",
+        "person animal",
+        pps=(("from", "building"),),
+        en_particle="up",
+        de_particle="ab",
+    ),
+    _verb(
+        "open",
+        "opens",
+        "öffne öffnet öffnen",
+        "tr",
+        "person",
+        "openable",
+        pps=(("with", "tool"), ("for", "person")),
+    ),
     # ditransitive: dative person + accusative thing ("gives the child an apple")
     _verb("give", "gives", "gebe gibt geben", "ditr", "person", "thing food", "person animal"),
-    _verb("show", "shows", "zeige zeigt zeigen", "ditr", "person", "thing animal vehicle",
-          "person"),
-    _verb("bring", "brings", "bringe bringt bringen", "ditr", "person", "thing food",
-          "person animal"),
+    _verb(
+        "show", "shows", "zeige zeigt zeigen", "ditr", "person", "thing animal vehicle", "person"
+    ),
+    _verb(
+        "bring", "brings", "bringe bringt bringen", "ditr", "person", "thing food", "person animal"
+    ),
     # intransitive: usually with a prepositional phrase
-    _verb("sleep", "sleeps", "schlafe schläft schlafen", "intr", "person animal",
-          pps=(("in", _PLACES), ("next to", "person furniture building"))),
-    _verb("run", "runs", "laufe läuft laufen", "intr", "person animal",
-          pps=(("to", "person building area"), ("through", "area"),
-               ("with", "person animal"), ("without", "person animal"))),
-    _verb("drive", "drives", "fahre fährt fahren", "intr", "person",
-          pps=(("to", "building area water"), ("through", "area"), ("with", "person"),
-               ("without", "person animal"))),
-    _verb("work", "works", "arbeite arbeitet arbeiten", "intr", "person",
-          pps=(("in", _PLACES), ("for", "person"), ("with", "person"))),
-    _verb("wait", "waits", "warte wartet warten", "intr", "person animal",
-          pps=(("for", "person animal vehicle"), ("in", _PLACES), ("next to", "building person")),
-          de_preps=(("for", "auf", "acc"),)),
-    _verb("play", "plays", "spiele spielt spielen", "intr", "person animal",
-          pps=(("in", "area room"), ("with", "person animal toy"))),
-    _verb("sit", "sits", "sitze sitzt sitzen", "intr", "person animal",
-          pps=(("on", "furniture"), ("in", _PLACES), ("next to", "person furniture building"))),
-    _verb("swim", "swims", "schwimme schwimmt schwimmen", "intr", "person animal",
-          pps=(("in", "water"), ("through", "water"), ("with", "person animal"))),
-    _verb("come", "comes", "komme kommt kommen", "intr", "person animal",
-          pps=(("from", "building person"), ("to", "person building area"),
-               ("with", "person animal"))),
+    _verb(
+        "sleep",
+        "sleeps",
+        "schlafe schläft schlafen",
+        "intr",
+        "person animal",
+        pps=(("in", _PLACES), ("next to", "person furniture building")),
+    ),
+    _verb(
+        "run",
+        "runs",
+        "laufe läuft laufen",
+        "intr",
+        "person animal",
+        pps=(
+            ("to", "person building area"),
+            ("through", "area"),
+            ("with", "person animal"),
+            ("without", "person animal"),
+        ),
+    ),
+    _verb(
+        "drive",
+        "drives",
+        "fahre fährt fahren",
+        "intr",
+        "person",
+        pps=(
+            ("to", "building area water"),
+            ("through", "area"),
+            ("with", "person"),
+            ("without", "person animal"),
+        ),
+    ),
+    _verb(
+        "work",
+        "works",
+        "arbeite arbeitet arbeiten",
+        "intr",
+        "person",
+        pps=(("in", _PLACES), ("for", "person"), ("with", "person")),
+    ),
+    _verb(
+        "wait",
+        "waits",
+        "warte wartet warten",
+        "intr",
+        "person animal",
+        pps=(("for", "person animal vehicle"), ("in", _PLACES), ("next to", "building person")),
+        de_preps=(("for", "auf", "acc"),),
+    ),
+    _verb(
+        "play",
+        "plays",
+        "spiele spielt spielen",
+        "intr",
+        "person animal",
+        pps=(("in", "area room"), ("with", "person animal toy")),
+    ),
+    _verb(
+        "sit",
+        "sits",
+        "sitze sitzt sitzen",
+        "intr",
+        "person animal",
+        pps=(("on", "furniture"), ("in", _PLACES), ("next to", "person furniture building")),
+    ),
+    _verb(
+        "swim",
+        "swims",
+        "schwimme schwimmt schwimmen",
+        "intr",
+        "person animal",
+        pps=(("in", "water"), ("through", "water"), ("with", "person animal")),
+    ),
+    _verb(
+        "come",
+        "comes",
+        "komme kommt kommen",
+        "intr",
+        "person animal",
+        pps=(
+            ("from", "building person"),
+            ("to", "person building area"),
+            ("with", "person animal"),
+        ),
+    ),
     # copula + predicative adjective (no ending in German: "Der Hund ist klein.")
     _verb("be", "is", "bin ist sind", "cop", "person animal thing vehicle food building room area"),
 )
@@ -258,7 +422,10 @@ PREPOSITIONS: dict[str, tuple[str, str]] = {
 }
 # Preposition + definite article contractions that German requires.
 CONTRACTIONS: dict[tuple[str, str], str] = {
-    ("zu", "dem"): "zum", ("zu", "der"): "zur", ("von", "dem"): "vom", ("in", "dem"): "im",
+    ("zu", "dem"): "zum",
+    ("zu", "der"): "zur",
+    ("von", "dem"): "vom",
+    ("in", "dem"): "im",
 }
 
 # English pronoun -> (English object form, German nom, acc, dat, agreement)
@@ -272,22 +439,42 @@ PRONOUNS: dict[str, tuple[str, str, str, str, str]] = {
 }
 # Determiners declined like "ein" (ein-words). "no" is only produced by negation (kein).
 EIN_WORDS: dict[str, str] = {
-    "a": "ein", "my": "mein", "his": "sein", "her": "ihr", "our": "unser", "their": "ihr",
+    "a": "ein",
+    "my": "mein",
+    "his": "sein",
+    "her": "ihr",
+    "our": "unser",
+    "their": "ihr",
     "no": "kein",
 }
 NUMBERS: dict[int, tuple[str, str]] = {
-    2: ("two", "zwei"), 3: ("three", "drei"), 4: ("four", "vier"), 5: ("five", "fünf"),
-    6: ("six", "sechs"), 7: ("seven", "sieben"), 8: ("eight", "acht"), 9: ("nine", "neun"),
-    10: ("ten", "zehn"), 11: ("eleven", "elf"), 12: ("twelve", "zwölf"),
+    2: ("two", "zwei"),
+    3: ("three", "drei"),
+    4: ("four", "vier"),
+    5: ("five", "fünf"),
+    6: ("six", "sechs"),
+    7: ("seven", "sieben"),
+    8: ("eight", "acht"),
+    9: ("nine", "neun"),
+    10: ("ten", "zehn"),
+    11: ("eleven", "elf"),
+    12: ("twelve", "zwölf"),
 }
 # Fronted time adverbs trigger verb-second inversion in German ("Heute sieht der Mann ...").
 ADVERBS: dict[str, str] = {
-    "today": "heute", "now": "jetzt", "every day": "jeden Tag", "in the morning": "am Morgen",
-    "in the evening": "am Abend", "on Sunday": "am Sonntag",
+    "today": "heute",
+    "now": "jetzt",
+    "every day": "jeden Tag",
+    "in the morning": "am Morgen",
+    "in the evening": "am Abend",
+    "on Sunday": "am Sonntag",
 }
 # Subordinating conjunctions: the German verb goes to the end of the clause.
 CONJUNCTIONS: dict[str, str] = {
-    "because": "weil", "while": "während", "when": "wenn", "although": "obwohl",
+    "because": "weil",
+    "while": "während",
+    "when": "wenn",
+    "although": "obwohl",
 }
 
 # ----------------------------------------------------------------------------------------
@@ -299,7 +486,8 @@ _CASES = ("nom", "acc", "dat")
 
 def _table(m: str, f: str, n: str, pl: str) -> dict[str, dict[str, str]]:
     return {g: dict(zip(_CASES, row.split(","))) for g, row in zip("mfn", (m, f, n))} | {
-        "pl": dict(zip(_CASES, pl.split(",")))}
+        "pl": dict(zip(_CASES, pl.split(",")))
+    }
 
 
 DEFINITE = _table("der,den,dem", "die,die,der", "das,das,dem", "die,die,den")
@@ -323,8 +511,8 @@ class NP:
     """Noun phrase: a pronoun ("he"; rendered "him"/"ihn" as an object) or a noun (English key)."""
 
     head: str
-    det: str = "the"          # "the", "a", "my", "his", "her", "our", "their", "" (bare plural)
-    adj: str | None = None    # English adjective key
+    det: str = "the"  # "the", "a", "my", "his", "her", "our", "their", "" (bare plural)
+    adj: str | None = None  # English adjective key
     plural: bool = False
     count: int | None = None  # 2..12; implies plural and no article
 
@@ -339,8 +527,11 @@ class NP:
     @property
     def indefinite(self) -> bool:
         """True for "a dog" and bare "dogs": these are negated with German "kein"."""
-        return not self.is_pronoun and self.count is None and (
-            self.det == "a" or (self.det == "" and self.is_plural))
+        return (
+            not self.is_pronoun
+            and self.count is None
+            and (self.det == "a" or (self.det == "" and self.is_plural))
+        )
 
 
 @dataclass(frozen=True)
@@ -356,11 +547,11 @@ class Clause:
     """One clause, independent of word order; the realiser decides main/inverted/verb-final."""
 
     subj: NP
-    verb: str                 # English base form key ("pick" for "pick up", "be")
-    obj: NP | None = None     # accusative object
-    iobj: NP | None = None    # dative object (ditransitive verbs)
+    verb: str  # English base form key ("pick" for "pick up", "be")
+    obj: NP | None = None  # accusative object
+    iobj: NP | None = None  # dative object (ditransitive verbs)
     pp: PP | None = None
-    adj: str | None = None    # predicative adjective with "be"
+    adj: str | None = None  # predicative adjective with "be"
     neg: bool = False
 
 
@@ -373,7 +564,7 @@ class Sentence:
     adverb: str | None = None
     conj: str | None = None
     sub: Clause | None = None
-    sub_first: bool = False   # "When the dog sleeps, the man reads." (German: inverted main)
+    sub_first: bool = False  # "When the dog sleeps, the man reads." (German: inverted main)
 
 
 def agreement(np: NP) -> str:
@@ -465,8 +656,9 @@ def conjugate(verb: str, subj: NP) -> tuple[str, str]:
     else:
         en = v.en3 if agr == "3sg" else v.en
     forms = v.de
-    if v.de_animal and (subj.head == "it" or
-                        (not subj.is_pronoun and "animal" in _NOUN_BY_EN[subj.head].tags)):
+    if v.de_animal and (
+        subj.head == "it" or (not subj.is_pronoun and "animal" in _NOUN_BY_EN[subj.head].tags)
+    ):
         forms = v.de_animal
     de = forms[0] if agr == "1sg" else forms[1] if agr == "3sg" else forms[2]
     return en, de
@@ -501,7 +693,7 @@ def render_clause(clause: Clause, order: str = "main") -> tuple[str, str]:
         if clause.obj:
             en_obj = render_np(clause.obj, "acc")[0]
             if v.en_particle and clause.obj.is_pronoun:
-                en += [en_obj, v.en_particle]   # "picks him up"
+                en += [en_obj, v.en_particle]  # "picks him up"
             else:
                 en += [v.en_particle, en_obj] if v.en_particle else [en_obj]
         elif v.en_particle:
@@ -523,7 +715,7 @@ def render_clause(clause: Clause, order: str = "main") -> tuple[str, str]:
     if v.kind == "cop":
         middle.append(_ADJ_BY_EN[clause.adj].de)
     if order == "sub":
-        de = [de_subj] + middle + [v.de_particle + de_fin]   # weil ... anruft
+        de = [de_subj] + middle + [v.de_particle + de_fin]  # weil ... anruft
     else:
         head = [de_subj, de_fin] if order == "main" else [de_fin, de_subj]
         de = head + middle + ([v.de_particle] if v.de_particle else [])
@@ -581,9 +773,17 @@ class _Sampler:
             self._nouns[tags] = [n for n in NOUNS if n.tags & tags]
         return self._nouns[tags]
 
-    def np(self, tags: frozenset[str], *, pronouns: tuple[str, ...] = (), pronoun_p: float = 0.0,
-           plural_p: float = 0.3, adj_p: float = 0.3, count_ok: bool = True,
-           bare_ok: bool = True) -> NP:
+    def np(
+        self,
+        tags: frozenset[str],
+        *,
+        pronouns: tuple[str, ...] = (),
+        pronoun_p: float = 0.0,
+        plural_p: float = 0.3,
+        adj_p: float = 0.3,
+        count_ok: bool = True,
+        bare_ok: bool = True,
+    ) -> NP:
         r = self.rng
         if pronouns and r.random() < pronoun_p:
             return NP(r.choice(pronouns))
@@ -593,8 +793,13 @@ class _Sampler:
         if r.random() < plural_p:
             if count_ok and x < 0.3:
                 return NP(noun.en, det="", adj=adj, plural=True, count=r.randint(2, 12))
-            det = ("the" if x < 0.6 or (x < 0.8 and not bare_ok) else "" if x < 0.8
-                   else r.choice(_POSSESSIVES))
+            det = (
+                "the"
+                if x < 0.6 or (x < 0.8 and not bare_ok)
+                else ""
+                if x < 0.8
+                else r.choice(_POSSESSIVES)
+            )
             return NP(noun.en, det=det, adj=adj, plural=True)
         det = "the" if x < 0.5 else "a" if x < 0.8 else r.choice(_POSSESSIVES)
         return NP(noun.en, det=det, adj=adj)
@@ -607,11 +812,17 @@ class _Sampler:
 
     def obj_pronouns(self, subj: NP) -> tuple[str, ...]:
         # no "I see me" / "we see us": English would need a reflexive
-        return tuple(p for p in _PERSON_PRONOUNS
-                     if not (p == subj.head and p in ("I", "we")))
+        return tuple(p for p in _PERSON_PRONOUNS if not (p == subj.head and p in ("I", "we")))
 
-    def clause(self, *, inverted: bool = False, question: bool = False, neg_p: float = 0.0,
-               pp_scale: float = 1.0, adj_p: float = 0.3) -> Clause:
+    def clause(
+        self,
+        *,
+        inverted: bool = False,
+        question: bool = False,
+        neg_p: float = 0.0,
+        pp_scale: float = 1.0,
+        adj_p: float = 0.3,
+    ) -> Clause:
         r = self.rng
         kind = r.choices(("tr", "intr", "ditr", "cop"), weights=(42, 30, 13, 15))[0]
         v = r.choice(self._verbs[kind])
@@ -622,23 +833,39 @@ class _Sampler:
         pron_ok = not (inverted or question) or subj.is_pronoun
         pron = self.obj_pronouns(subj) if pron_ok else ()
         if kind == "cop":
-            tags = frozenset(("person",)) if subj.head in _PERSON_PRONOUNS else (
-                frozenset(("animal",)) if subj.head == "it" else _NOUN_BY_EN[subj.head].tags)
+            tags = (
+                frozenset(("person",))
+                if subj.head in _PERSON_PRONOUNS
+                else (frozenset(("animal",)) if subj.head == "it" else _NOUN_BY_EN[subj.head].tags)
+            )
             adj = r.choice([a for a in ADJECTIVES if a.tags & tags]).en
             return Clause(subj, v.en, adj=adj, neg=neg)
         obj = iobj = pp = None
         if kind in ("tr", "ditr"):
-            obj = self.np(v.obj, pronouns=pron if kind == "tr" and "person" in v.obj else (),
-                          pronoun_p=0.15, adj_p=adj_p, count_ok=not neg)
+            obj = self.np(
+                v.obj,
+                pronouns=pron if kind == "tr" and "person" in v.obj else (),
+                pronoun_p=0.15,
+                adj_p=adj_p,
+                count_ok=not neg,
+            )
         if kind == "ditr":
-            iobj = self.np(v.iobj, pronouns=pron, pronoun_p=0.25, adj_p=adj_p * 0.5,
-                           plural_p=0.2, bare_ok=False)  # "gives children a book" is stilted
+            iobj = self.np(
+                v.iobj,
+                pronouns=pron,
+                pronoun_p=0.25,
+                adj_p=adj_p * 0.5,
+                plural_p=0.2,
+                bare_ok=False,
+            )  # "gives children a book" is stilted
         pp_p = {"tr": 0.35, "intr": 0.85, "ditr": 0.0}[kind] * pp_scale
         if v.pps and r.random() < pp_p:
             prep, tags = r.choice(v.pps)
             pp_pron = self.obj_pronouns(subj) if "person" in tags else ()
-            pp = PP(prep, self.np(tags, pronouns=pp_pron, pronoun_p=0.15, plural_p=0.15,
-                                  adj_p=adj_p * 0.7))
+            pp = PP(
+                prep,
+                self.np(tags, pronouns=pp_pron, pronoun_p=0.15, plural_p=0.15, adj_p=adj_p * 0.7),
+            )
         return Clause(subj, v.en, obj=obj, iobj=iobj, pp=pp, neg=neg)
 
     def sentence(self) -> Sentence:
@@ -650,11 +877,9 @@ class _Sampler:
             sub_first = r.random() < 0.3
             main = self.clause(inverted=sub_first, neg_p=0.08, pp_scale=0.4, adj_p=0.15)
             sub = self.clause(neg_p=0.1, pp_scale=0.2 if main.pp else 0.5, adj_p=0.15)
-            return Sentence(main, conj=r.choice(tuple(CONJUNCTIONS)), sub=sub,
-                            sub_first=sub_first)
+            return Sentence(main, conj=r.choice(tuple(CONJUNCTIONS)), sub=sub, sub_first=sub_first)
         if r.random() < 0.18:
-            return Sentence(self.clause(inverted=True, neg_p=0.18),
-                            adverb=r.choice(tuple(ADVERBS)))
+            return Sentence(self.clause(inverted=True, neg_p=0.18), adverb=r.choice(tuple(ADVERBS)))
         return Sentence(self.clause(neg_p=0.18))
 
     def pair(self) -> tuple[str, str]:
@@ -686,8 +911,13 @@ def _write_lines(path: Path, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def write_corpus(out_dir: str | os.PathLike, n_train: int = 24000, n_valid: int = 500,
-                 n_test: int = 1000, seed: int = 1234) -> dict[str, int]:
+def write_corpus(
+    out_dir: str | os.PathLike,
+    n_train: int = 24000,
+    n_valid: int = 500,
+    n_test: int = 1000,
+    seed: int = 1234,
+) -> dict[str, int]:
     """Write train/valid/test .en/.de files into out_dir; splits are disjoint on the English side.
 
     Skips the work when all six files already exist with the right line counts."""
@@ -715,8 +945,11 @@ def write_corpus(out_dir: str | os.PathLike, n_train: int = 24000, n_valid: int 
     if len(pairs) < total:
         raise RuntimeError(f"grammar produced only {len(pairs)} distinct sentences, need {total}")
     rng.shuffle(pairs)  # so that every split has the same mix of short and long sentences
-    bounds = {"train": (0, n_train), "valid": (n_train, n_train + n_valid),
-              "test": (n_train + n_valid, total)}
+    bounds = {
+        "train": (0, n_train),
+        "valid": (n_train, n_train + n_valid),
+        "test": (n_train + n_valid, total),
+    }
     for (split, lang), path in paths.items():
         lo, hi = bounds[split]
         _write_lines(path, [p[0 if lang == "en" else 1] for p in pairs[lo:hi]])
@@ -735,7 +968,8 @@ def main(argv: list[str] | None = None) -> int:
     [--seed S]; prints one summary line to stderr."""
     parser = argparse.ArgumentParser(
         prog="python -m transformer_mt.demo_corpus",
-        description="Write the built-in English->German demo corpus (train/valid/test .en/.de).")
+        description="Write the built-in English->German demo corpus (train/valid/test .en/.de).",
+    )
     parser.add_argument("out_dir", help="output directory (created if missing)")
     parser.add_argument("--train", type=_non_negative, default=24000, help="training pairs")
     parser.add_argument("--valid", type=_non_negative, default=500, help="validation pairs")
@@ -743,8 +977,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234, help="random seed")
     args = parser.parse_args(argv)
     counts = write_corpus(args.out_dir, args.train, args.valid, args.test, args.seed)
-    print(f"demo corpus: {counts['train']} train, {counts['valid']} valid, {counts['test']} test "
-          f"pairs in {args.out_dir} (seed {args.seed})", file=sys.stderr)
+    print(
+        f"demo corpus: {counts['train']} train, {counts['valid']} valid, {counts['test']} test "
+        f"pairs in {args.out_dir} (seed {args.seed})",
+        file=sys.stderr,
+    )
     return 0
 
 

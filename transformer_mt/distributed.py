@@ -63,7 +63,8 @@ def rank_device(d: Dist, device: torch.device) -> torch.device:
 
 @contextlib.contextmanager
 def rank_zero_first(d: Dist) -> Iterator[None]:
-    """Rank 0 runs the block first (e.g. writes a cache); the other ranks run it after (and read it)."""
+    """Rank 0 runs the block first (e.g. writes a cache); the other ranks run it after (and read
+    it)."""
     if d.world > 1 and not d.main:
         dist.barrier()
     yield
@@ -72,18 +73,18 @@ def rank_zero_first(d: Dist) -> Iterator[None]:
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:
-    """Seed Python's, NumPy's and torch's generators with seed + rank: each data-parallel rank draws its own dropout
-    masks (alike, they would drop the same units on every rank's batch), and rank 0 draws what one process would.
-    What the ranks must share does not come from these streams: the batch order is a function of (seed, epoch)
-    and DDP broadcasts rank 0's initial weights."""
+    """Seed Python's, NumPy's and torch's generators with seed + rank: each data-parallel rank draws
+    its own dropout masks (alike, they would drop the same units on every rank's batch), and rank 0
+    draws what one process would. What the ranks must share does not come from these streams: the
+    batch order is a function of (seed, epoch) and DDP broadcasts rank 0's initial weights."""
     random.seed(seed + rank)
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)
 
 
 def agree(d: Dist, device: torch.device, *flags: bool) -> tuple[bool, ...]:
-    """Flags that any rank raised, seen by every rank (one tiny all-reduce under DDP, and a host sync: call it
-    at log and validation steps, not every step; with one process it is free)."""
+    """Flags that any rank raised, seen by every rank (one tiny all-reduce under DDP, and a host
+    sync: call it at log and validation steps, not every step; with one process it is free)."""
     if d.world == 1:
         return flags
     t = torch.tensor([float(f) for f in flags], device=device)
@@ -111,9 +112,12 @@ def global_sum(d: Dist, t: torch.Tensor) -> float:
 def rng_state() -> dict[str, Any]:
     """Every random generator the loop touches, as plain data that weights_only loading accepts."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -126,7 +130,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def gathered_rng(d: Dist) -> Any:
-    """This process's RNG states, or every rank's (a list) under DDP, for a checkpoint. Every rank must call it."""
+    """This process's RNG states, or every rank's (a list) under DDP, for a checkpoint. Every rank
+    must call it."""
     if d.world == 1:
         return rng_state()
     states: list[Any] = [None] * d.world
@@ -135,8 +140,9 @@ def gathered_rng(d: Dist) -> Any:
 
 
 def restore_rng(d: Dist, saved: Any) -> bool:
-    """Set this rank's RNG states from a checkpoint's; False when they were saved by another number of
-    processes (they are then reused round-robin, and the random streams differ from an unbroken run)."""
+    """Set this rank's RNG states from a checkpoint's; False when they were saved by another number
+    of processes (they are then reused round-robin, and the random streams differ from an unbroken
+    run)."""
     same = True
     if isinstance(saved, list):  # saved under DDP: one state per rank
         same = len(saved) == d.world

@@ -2,4 +2,5 @@
 
 
 class UserError(Exception):
-    """Bad input from the user (config, data, paths): the message says what, where, and what to do."""
+    """Bad input from the user (config, data, paths): the message says what, where, and what to
+    do."""

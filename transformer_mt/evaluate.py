@@ -1,5 +1,6 @@
-"""`tmt evaluate`: translate a split or a file with a trained model and score it with sacreBLEU, beside
-the literature's tokenized BLEU, optionally against other systems with a paired significance test."""
+"""`tmt evaluate`: translate a split or a file with a trained model and score it with sacreBLEU,
+beside the literature's tokenized BLEU, optionally against other systems with a paired significance
+test."""
 
 from __future__ import annotations
 
@@ -8,27 +9,48 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .data import DataError, read_lines, read_split
-from .metrics import ASIAN, compare, paper_bleu, score
 from .inference import load_translator
+from .metrics import ASIAN, compare, paper_bleu, score
 from .translate import BaseTranslator
 
 
-def evaluate(checkpoint: Optional[str | Sequence[str]] = None, *, src: Optional[str] = None,
-             ref: Optional[str | Sequence[str]] = None, beam: Optional[int] = None, alpha: Optional[float] = None,
-             max_len: Optional[tuple[float, float]] = None, device: str = "auto", precision: Optional[str] = None,
-             output: Optional[str] = None, others: Sequence[str] = (), paired_ar: bool = False,
-             confidence: bool = False, tokenize: Optional[str] = None, engine: str = "torch") -> dict[str, Any]:
-    """Translate the run's test split (or --src) and score it against its references (or --ref, one or more).
+def evaluate(
+    checkpoint: Optional[str | Sequence[str]] = None,
+    *,
+    src: Optional[str] = None,
+    ref: Optional[str | Sequence[str]] = None,
+    beam: Optional[int] = None,
+    alpha: Optional[float] = None,
+    max_len: Optional[tuple[float, float]] = None,
+    device: str = "auto",
+    precision: Optional[str] = None,
+    output: Optional[str] = None,
+    others: Sequence[str] = (),
+    paired_ar: bool = False,
+    confidence: bool = False,
+    tokenize: Optional[str] = None,
+    engine: str = "torch",
+) -> dict[str, Any]:
+    """Translate the run's test split (or --src) and score it against its references (or --ref, one
+    or more).
 
-    The hypotheses are written next to the checkpoint; the result dict includes their path. `others` are
-    hypothesis files or checkpoints/runs (translated the same way) compared with this one by sacreBLEU's
-    paired bootstrap (or approximate randomization); `confidence` adds 95% bootstrap intervals.
+    The hypotheses are written next to the checkpoint; the result dict includes their path. `others`
+    are hypothesis files or checkpoints/runs (translated the same way) compared with this one by
+    sacreBLEU's paired bootstrap (or approximate randomization); `confidence` adds 95% bootstrap
+    intervals.
     """
     refs = [ref] if isinstance(ref, str) else list(ref or [])
     if (src is None) != (not refs):
         raise DataError("give both --src and --ref, or neither (to use the run's test split)")
-    translator = load_translator(checkpoint, device=device, precision=precision, beam=beam, alpha=alpha,
-                                 max_len=max_len, engine=engine)
+    translator = load_translator(
+        checkpoint,
+        device=device,
+        precision=precision,
+        beam=beam,
+        alpha=alpha,
+        max_len=max_len,
+        engine=engine,
+    )
     sources, references, name = _test_set(translator, src, refs)
     d, path = translator.decode, translator.checkpoint
     start = time.perf_counter()
@@ -37,22 +59,38 @@ def evaluate(checkpoint: Optional[str | Sequence[str]] = None, *, src: Optional[
     hyp_path = Path(output) if output else path.parent / f"{path.stem}.{name}.beam{d.beam}.hyp"
     hyp_path.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     lang = translator.config.data.tgt_lang
-    result = score(hyps, references, lang=lang, tokenize=tokenize, confidence=1000 if confidence else 0)
+    result = score(
+        hyps, references, lang=lang, tokenize=tokenize, confidence=1000 if confidence else 0
+    )
     if lang not in ASIAN:  # Moses tokenization means nothing for these scripts
         result.update(paper_bleu(hyps, references, lang))
-    result.update(checkpoint=str(path), step=translator.step, beam=d.beam, alpha=d.alpha, sentences=len(hyps),
-                  decode_seconds=round(seconds, 2), sentences_per_second=round(len(hyps) / max(seconds, 1e-9), 1),
-                  max_len=[d.max_len_a, d.max_len_b], precision=translator.precision, engine=translator.engine,
-                  hypotheses_path=str(hyp_path),
-                  references=len(references))
+    result.update(
+        checkpoint=str(path),
+        step=translator.step,
+        beam=d.beam,
+        alpha=d.alpha,
+        sentences=len(hyps),
+        decode_seconds=round(seconds, 2),
+        sentences_per_second=round(len(hyps) / max(seconds, 1e-9), 1),
+        max_len=[d.max_len_a, d.max_len_b],
+        precision=translator.precision,
+        engine=translator.engine,
+        hypotheses_path=str(hyp_path),
+        references=len(references),
+    )
     if others:
-        systems = [(str(path), hyps)] + [(o, _hypotheses_of(o, sources, translator, device, precision)) for o in others]
-        result["comparison"] = compare(systems, references, method="ar" if paired_ar else "bs", lang=lang,
-                                       tokenize=tokenize)
+        systems = [(str(path), hyps)] + [
+            (o, _hypotheses_of(o, sources, translator, device, precision)) for o in others
+        ]
+        result["comparison"] = compare(
+            systems, references, method="ar" if paired_ar else "bs", lang=lang, tokenize=tokenize
+        )
     return result
 
 
-def _test_set(translator: BaseTranslator, src: Optional[str], refs: list[str]) -> tuple[list[str], list[list[str]], str]:
+def _test_set(
+    translator: BaseTranslator, src: Optional[str], refs: list[str]
+) -> tuple[list[str], list[list[str]], str]:
     """Sources, one or more reference streams, and a name for the hypothesis file."""
     if src is None:
         sources, references = read_split(translator.config.data, "test")
@@ -65,15 +103,30 @@ def _test_set(translator: BaseTranslator, src: Optional[str], refs: list[str]) -
     return sources, streams, Path(src).name.removesuffix(".gz")
 
 
-def _hypotheses_of(other: str, sources: list[str], translator: BaseTranslator, device: str,
-                   precision: Optional[str]) -> list[str]:
-    """Another system's output: a hypothesis file as it is, or a checkpoint/run translated like ours."""
+def _hypotheses_of(
+    other: str,
+    sources: list[str],
+    translator: BaseTranslator,
+    device: str,
+    precision: Optional[str],
+) -> list[str]:
+    """Another system's output: a hypothesis file as it is, or a checkpoint/run translated like
+    ours."""
     path = Path(other)
     if path.is_dir() or path.suffix == ".pt":
         d = translator.decode
-        return load_translator(other, device=device, precision=precision, beam=d.beam, alpha=d.alpha,
-                               max_len=(d.max_len_a, d.max_len_b), engine=translator.engine).translate_text(sources)
+        return load_translator(
+            other,
+            device=device,
+            precision=precision,
+            beam=d.beam,
+            alpha=d.alpha,
+            max_len=(d.max_len_a, d.max_len_b),
+            engine=translator.engine,
+        ).translate_text(sources)
     lines = read_lines(path)
     if len(lines) != len(sources):
-        raise DataError(f"--compare {other} has {len(lines)} lines but the test set has {len(sources)}")
+        raise DataError(
+            f"--compare {other} has {len(lines)} lines but the test set has {len(sources)}"
+        )
     return lines

@@ -1,9 +1,10 @@
 """`tmt export`: a checkpoint as a CTranslate2 model directory (the `[ct2]` extra).
 
-CTranslate2 is the fastest CPU engine for Transformer translation models (int8 weights, its own kernels);
-its converters read fairseq, OpenNMT and Marian models, and this one reads ours. The directory holds
-CTranslate2's model.bin, config.json and vocabularies, our SentencePiece model(s), the run's config
-(tmt_config.yaml, for `tmt evaluate`'s test split and decode settings), tmt.json and a README.
+CTranslate2 is the fastest CPU engine for Transformer translation models (int8 weights, its own
+kernels); its converters read fairseq, OpenNMT and Marian models, and this one reads ours. The
+directory holds CTranslate2's model.bin, config.json and vocabularies, our SentencePiece model(s),
+the run's config (tmt_config.yaml, for `tmt evaluate`'s test split and decode settings), tmt.json
+and a README.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ MANIFEST = "tmt.json"  # what makes a directory one of our exports
 
 
 class ExportError(UserError):
-    """The model cannot be exported (an option CTranslate2 cannot express, or the extra is missing)."""
+    """The model cannot be exported (an option CTranslate2 cannot express, or the extra is
+    missing)."""
 
 
 def import_ctranslate2() -> Any:
     try:
         import ctranslate2
     except ImportError:
-        raise ExportError("CTranslate2 is not installed: pip install 'transformer-mt[ct2]'") from None
+        raise ExportError(
+            "CTranslate2 is not installed: pip install 'transformer-mt[ct2]'"
+        ) from None
     return ctranslate2
 
 
@@ -46,28 +50,41 @@ def is_export(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file() and (Path(path) / "model.bin").is_file()
 
 
-def export_ctranslate2(checkpoint: str | Path | None, output: str | Path, quantization: str = "float32",
-                       force: bool = False) -> Path:
+def export_ctranslate2(
+    checkpoint: str | Path | None,
+    output: str | Path,
+    quantization: str = "float32",
+    force: bool = False,
+) -> Path:
     """Convert a checkpoint (or a run directory's best) into a CTranslate2 model directory `output`.
 
-    The export is written into a temporary directory beside `output` and renamed into place, so `output`
-    is whole or untouched; force=True replaces an earlier export whole (no stale file of it survives)."""
+    The export is written into a temporary directory beside `output` and renamed into place, so
+    `output` is whole or untouched; force=True replaces an earlier export whole (no stale file of it
+    survives)."""
     if quantization not in QUANTIZATIONS:
-        raise ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+        raise ExportError(
+            f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}"
+        )
     ct2 = import_ctranslate2()
     path = resolve_checkpoint(checkpoint)
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
-            raise ExportError(f"{out} exists and is not empty: choose another --output or pass --force")
-        if not (out / MANIFEST).is_file():  # --force empties a directory: only one that holds an earlier export
-            raise ExportError(f"{out} is not a tmt export (no {MANIFEST}): --force replaces only an earlier "
-                              "export; choose another --output")
+            raise ExportError(
+                f"{out} exists and is not empty: choose another --output or pass --force"
+            )
+        # --force empties a directory: only one that holds an earlier export
+        if not (out / MANIFEST).is_file():
+            raise ExportError(
+                f"{out} is not a tmt export (no {MANIFEST}): --force replaces only an earlier "
+                "export; choose another --output"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
         _write_export(ct2, path, tmp, quantization)
-        if out.exists():  # the earlier export goes aside, the new one takes its name, then the old one goes
+        # the earlier export goes aside, the new one takes its name, then the old one goes
+        if out.exists():
             old = temp_dir(out.parent, prefix=f".{out.name}.", suffix=".old")
             os.replace(out, old / out.name)
             try:
@@ -96,23 +113,33 @@ def _write_export(ct2: Any, path: Path, out: Path, quantization: str) -> None:
     spec.save(str(out))
     tokenizer.save(out)
     save_config(cfg, out / "tmt_config.yaml")
-    manifest = {"checkpoint": str(path.resolve()), "step": ckpt.get("step"), "tokenizer": tokenizer.digest,
-                "quantization": quantization, "precision": cfg.train.precision,
-                "ctranslate2": ct2.__version__, "max_positions": cfg.model.max_positions,
-                "parameters": model.num_parameters()}
+    manifest = {
+        "checkpoint": str(path.resolve()),
+        "step": ckpt.get("step"),
+        "tokenizer": tokenizer.digest,
+        "quantization": quantization,
+        "precision": cfg.train.precision,
+        "ctranslate2": ct2.__version__,
+        "max_positions": cfg.model.max_positions,
+        "parameters": model.num_parameters(),
+    }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     (out / "README.md").write_text(_readme(path, manifest))
 
 
 def export_tokenizer(directory: Path, manifest: dict[str, Any]) -> Tokenizer:
-    """The SentencePiece model(s) of an export, checked against the digest its manifest recorded: a model
-    copied or left over from another export would tokenize silently wrong."""
+    """The SentencePiece model(s) of an export, checked against the digest its manifest recorded: a
+    model copied or left over from another export would tokenize silently wrong."""
     tokenizer = Tokenizer.load(directory)
     if manifest.get("tokenizer") not in (None, tokenizer.digest):
         files = "spm.model" if tokenizer.joint else "spm.src.model + spm.tgt.model"
-        raise UserError(f"{directory / MANIFEST} records tokenizer {manifest['tokenizer']} but {files} in {directory} "
-                        f"is {tokenizer.digest}: the SentencePiece model does not belong to this export; export "
-                        "again (tmt export --force) or copy the model(s) from the run it came from")
+        raise UserError(
+            f"{directory / MANIFEST} records tokenizer {manifest['tokenizer']} but {files} in "
+            f"{directory} "
+            f"is {tokenizer.digest}: the SentencePiece model does not belong to this export; "
+            "export "
+            "again (tmt export --force) or copy the model(s) from the run it came from"
+        )
     return tokenizer
 
 
@@ -121,8 +148,8 @@ _DIGESTS: dict[tuple[Any, ...], str] = {}
 
 
 def checkpoint_digest(path: Path) -> str:
-    """sha256 of the checkpoint's bytes; memoised for this process by the file's identity, size, mtime and
-    ctime (a rewrite changes the ctime, which no tool sets back)."""
+    """sha256 of the checkpoint's bytes; memoised for this process by the file's identity, size,
+    mtime and ctime (a rewrite changes the ctime, which no tool sets back)."""
     st = path.stat()
     key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in _DIGESTS:
@@ -135,10 +162,11 @@ def checkpoint_digest(path: Path) -> str:
 
 
 def cached_export(checkpoint: Path, cache_root: Path, keep: int = CACHE_KEEP) -> Path:
-    """A float32 export of `checkpoint` under cache_root, made once per checkpoint content (its digest names
-    it); CTranslate2 quantizes on load to the compute type asked for. Each process converts into its own
-    temporary directory and renames it into place; if another process put the same export there meanwhile,
-    its copy is kept and this one discarded. Only the `keep` most recently used exports stay."""
+    """A float32 export of `checkpoint` under cache_root, made once per checkpoint content (its
+    digest names it); CTranslate2 quantizes on load to the compute type asked for. Each process
+    converts into its own temporary directory and renames it into place; if another process put the
+    same export there meanwhile, its copy is kept and this one discarded. Only the `keep` most
+    recently used exports stay."""
     out = cache_root / f"{checkpoint.stem}-{checkpoint_digest(checkpoint)[:16]}"
     fresh = is_export(out)
     if fresh:
@@ -163,13 +191,21 @@ def cached_export(checkpoint: Path, cache_root: Path, keep: int = CACHE_KEEP) ->
 
 
 def _prune(cache_root: Path, keep: int, current: Path) -> None:
-    """Remove all but the `keep` most recently used exports (never `current`), and temporary directories an
-    interrupted conversion left behind more than an hour ago."""
-    entries = {p: _mtime_ns(p) for p in cache_root.iterdir() if p.is_dir()}  # another process may remove some
-    exports = sorted((p for p in entries if not p.name.startswith(".") and p != current), key=entries.get,
-                     reverse=True)
-    stale = [p for p, t in entries.items() if p.name.startswith(".") and t < time.time_ns() - 3600 * 10**9]
-    for p in exports[max(keep - 1, 0):] + stale:
+    """Remove all but the `keep` most recently used exports (never `current`), and temporary
+    directories an interrupted conversion left behind more than an hour ago."""
+    # another process may remove some
+    entries = {p: _mtime_ns(p) for p in cache_root.iterdir() if p.is_dir()}
+    exports = sorted(
+        (p for p in entries if not p.name.startswith(".") and p != current),
+        key=entries.get,
+        reverse=True,
+    )
+    stale = [
+        p
+        for p, t in entries.items()
+        if p.name.startswith(".") and t < time.time_ns() - 3600 * 10**9
+    ]
+    for p in exports[max(keep - 1, 0) :] + stale:
         shutil.rmtree(p, ignore_errors=True)
 
 
@@ -186,13 +222,20 @@ def _mtime_ns(path: Path) -> int:
 def model_spec(ct2: Any, model: Transformer, tokenizer: Tokenizer) -> Any:
     """CTranslate2's TransformerSpec with our weights, vocabularies and special tokens."""
     if not isinstance(model, Transformer):
-        raise ExportError("only a single model exports: average the checkpoints (tmt average) instead of "
-                          "ensembling them")
+        raise ExportError(
+            "only a single model exports: average the checkpoints (tmt average) instead of "
+            "ensembling them"
+        )
     cfg = model.cfg
     specs = ct2.specs
-    spec = specs.TransformerSpec.from_config((cfg.encoder_layers, cfg.decoder_layers), cfg.heads,
-                                             pre_norm=cfg.norm == "pre", activation=specs.Activation.RELU)
-    positions = model.pos.pe.numpy()  # (P, d): ours interleave sin and cos, so CTranslate2 gets the table
+    spec = specs.TransformerSpec.from_config(
+        (cfg.encoder_layers, cfg.decoder_layers),
+        cfg.heads,
+        pre_norm=cfg.norm == "pre",
+        activation=specs.Activation.RELU,
+    )
+    # (P, d): ours interleave sin and cos, so CTranslate2 gets the table
+    positions = model.pos.pe.numpy()
     _input_layers(spec.encoder, model.src_embed.lut.weight, positions)
     _input_layers(spec.decoder, model.tgt_embed.lut.weight, positions)
     for layer_spec, layer in zip(spec.encoder.layer, model.encoder.layers):
@@ -236,7 +279,8 @@ def _linear(spec: Any, linear: torch.nn.Linear) -> None:
 
 
 def _attention(spec: Any, attn: MultiHeadAttention, norm: torch.nn.LayerNorm) -> None:
-    """Our fused projections are CTranslate2's: self-attention QKV in one matrix, cross-attention Q then KV."""
+    """Our fused projections are CTranslate2's: self-attention QKV in one matrix, cross-attention Q
+    then KV."""
     if attn.cross:
         _linear(spec.linear[0], attn.q_proj)
         _linear(spec.linear[1], attn.kv_proj)
@@ -255,15 +299,23 @@ def _ffn(spec: Any, ff: torch.nn.Module, norm: torch.nn.LayerNorm) -> None:
 def _vocabulary(sp: Any) -> list[str]:
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     if len(set(pieces)) != len(pieces):
-        raise ExportError("the SentencePiece model has duplicate pieces; CTranslate2 looks tokens up by piece")
+        raise ExportError(
+            "the SentencePiece model has duplicate pieces; CTranslate2 looks tokens up by piece"
+        )
     return pieces
 
 
 def _readme(path: Path, manifest: dict[str, Any]) -> str:
-    return (f"# CTranslate2 export of {path.name}\n\n"
-            f"Written by `tmt export` from `{manifest['checkpoint']}` (step {manifest['step']}), "
-            f"weights stored as {manifest['quantization']}, for CTranslate2 {manifest['ctranslate2']}.\n\n"
-            "With transformer-mt: `tmt translate --engine ctranslate2 -c THIS_DIR`, and likewise evaluate, "
-            "score and serve.\n\nWith CTranslate2 alone: encode the source with `spm.model` (or `spm.src.model`), "
-            "then `ctranslate2.Translator(THIS_DIR).translate_batch(pieces)`; the end-of-sentence token is added "
-            "to the source for you, and outputs are decoded with `spm.model` (or `spm.tgt.model`).\n")
+    return (
+        f"# CTranslate2 export of {path.name}\n\n"
+        f"Written by `tmt export` from `{manifest['checkpoint']}` (step {manifest['step']}), "
+        f"weights stored as {manifest['quantization']}, for CTranslate2 "
+        f"{manifest['ctranslate2']}.\n\n"
+        "With transformer-mt: `tmt translate --engine ctranslate2 -c THIS_DIR`, and likewise "
+        "evaluate, "
+        "score and serve.\n\nWith CTranslate2 alone: encode the source with `spm.model` (or "
+        "`spm.src.model`), "
+        "then `ctranslate2.Translator(THIS_DIR).translate_batch(pieces)`; the end-of-sentence "
+        "token is added "
+        "to the source for you, and outputs are decoded with `spm.model` (or `spm.tgt.model`).\n"
+    )

@@ -30,10 +30,10 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         raise
 
 
-
 def temp_dir(parent: str | os.PathLike, prefix: str, suffix: str = "") -> Path:
-    """A new private folder in `parent` to fill and then rename into place, with the permissions a plain mkdir
-    gives (mkdtemp's are 0700: a cache entry or an export renamed from it would be its owner's alone)."""
+    """A new private folder in `parent` to fill and then rename into place, with the permissions a
+    plain mkdir gives (mkdtemp's are 0700: a cache entry or an export renamed from it would be its
+    owner's alone)."""
     path = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=parent))
     umask = os.umask(0)
     os.umask(umask)

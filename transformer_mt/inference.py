@@ -1,5 +1,6 @@
-"""The Python API over both engines: `load_translator` gives our PyTorch engine (translate.py) or CTranslate2's
-(ct2.py) behind one interface, BaseTranslator. The engines don't import each other; this module imports both."""
+"""The Python API over both engines: `load_translator` gives our PyTorch engine (translate.py) or
+CTranslate2's (ct2.py) behind one interface, BaseTranslator. The engines don't import each other;
+this module imports both."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ def load_translator(
     max_len: Sequence[float] | None = None,
     engine: str = "torch",
 ) -> BaseTranslator:
-    """A translator for a checkpoint file or run directory (None: the newest run under ./runs/), or several
-    (an ensemble, our engine only). engine="ctranslate2" decodes with CTranslate2, from a `tmt export` directory
-    or a checkpoint (exported once, into the run's ct2-cache/); the options are translate.load_torch_translator's.
+    """A translator for a checkpoint file or run directory (None: the newest run under ./runs/), or
+    several (an ensemble, our engine only). engine="ctranslate2" decodes with CTranslate2, from a
+    `tmt export` directory or a checkpoint (exported once, into the run's ct2-cache/); the options
+    are translate.load_torch_translator's.
     """
     options = {
         "device": device,

@@ -28,7 +28,8 @@ def padding_mask(ids: torch.Tensor) -> torch.Tensor:
 
 
 def causal_mask(T: int, device: torch.device | None = None) -> torch.Tensor:
-    """(T, T): position t may attend to positions <= t (Sec. 3.2.3, "masking out ... illegal connections")."""
+    """(T, T): position t may attend to positions <= t (Sec. 3.2.3, "masking out ... illegal
+    connections")."""
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
@@ -36,12 +37,13 @@ def causal_mask(T: int, device: torch.device | None = None) -> torch.Tensor:
 
 
 class Dropout(nn.Module):
-    """Inverted dropout at exactly rate p. On CPU the mask comes from four random bytes per 32-bit draw:
-    torch's CPU generator makes one draw per element in F.dropout, which costs more than the rest of dropout.
+    """Inverted dropout at exactly rate p. On CPU the mask comes from four random bytes per 32-bit
+    draw: torch's CPU generator makes one draw per element in F.dropout, which costs more than the
+    rest of dropout.
 
-    With p * 256 = k + f (k whole, 0 <= f < 1), a byte below k drops its element and a byte above k keeps
-    it; the one byte value in 256 equal to k drops it with probability f, from a draw made for those few
-    elements only. P(drop) = k/256 + f/256 = p.
+    With p * 256 = k + f (k whole, 0 <= f < 1), a byte below k drops its element and a byte above k
+    keeps it; the one byte value in 256 equal to k drops it with probability f, from a draw made for
+    those few elements only. P(drop) = k/256 + f/256 = p.
     """
 
     def __init__(self, p: float):
@@ -56,7 +58,9 @@ class Dropout(nn.Module):
         if x.device.type != "cpu":
             return F.dropout(x, self.p, training=True)
         n = x.numel()
-        words = torch.randint(-2**31, 2**31 - 1, ((n + 3) // 4,), dtype=torch.int32, device=x.device)
+        words = torch.randint(
+            -(2**31), 2**31 - 1, ((n + 3) // 4,), dtype=torch.int32, device=x.device
+        )
         byte = words.view(torch.uint8)[:n]  # (n,) uniform in 0..255
         keep = byte > self.threshold
         if self.tie_drop > 0:
@@ -84,12 +88,15 @@ class Embeddings(nn.Module):
 
 
 class PositionalEncoding(nn.Module):
-    """Sinusoidal positions (Sec. 3.5): PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+    """Sinusoidal positions (Sec. 3.5): PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) =
+    cos(...)."""
 
     def __init__(self, d_model: int, max_positions: int):
         super().__init__()
         pos = torch.arange(max_positions, dtype=torch.float32)[:, None]  # (P, 1)
-        freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+        freq = torch.exp(
+            torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model)
+        )
         pe = torch.zeros(max_positions, d_model)
         pe[:, 0::2] = torch.sin(pos * freq)
         pe[:, 1::2] = torch.cos(pos * freq)
@@ -98,8 +105,10 @@ class PositionalEncoding(nn.Module):
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         T = x.size(1)
         if start + T > self.pe.size(0):
-            raise ValueError(f"sequence of {start + T} positions exceeds model.max_positions={self.pe.size(0)}")
-        return x + self.pe[start:start + T].to(x.dtype)  # (B, T, d)
+            raise ValueError(
+                f"sequence of {start + T} positions exceeds model.max_positions={self.pe.size(0)}"
+            )
+        return x + self.pe[start : start + T].to(x.dtype)  # (B, T, d)
 
 
 class MultiHeadAttention(nn.Module):
@@ -131,17 +140,27 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     def probabilities(self, x: torch.Tensor, kv: KV, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """The attention weights softmax(QK^T / sqrt(d_k)) (Eq. 1) from x (B, T, d) over keys kv: (B, H, T, S).
-        Written out (scaled_dot_product_attention does not return them): for alignments and plots only."""
-        q = self._heads(self.q_proj(x) if self.cross else self.qkv_proj(x)[..., :x.size(-1)])[0]  # (B, H, T, d_k)
+        """The attention weights softmax(QK^T / sqrt(d_k)) (Eq. 1) from x (B, T, d) over keys kv:
+        (B, H, T, S). Written out (scaled_dot_product_attention does not return them): for
+        alignments and plots only."""
+        # (B, H, T, d_k)
+        q = self._heads(self.q_proj(x) if self.cross else self.qkv_proj(x)[..., : x.size(-1)])[0]
         scores = q @ kv[0].transpose(-2, -1) / math.sqrt(self.d_k)  # (B, H, T, S)
         if mask is not None:
             scores = scores.masked_fill(~mask, -math.inf)
         return scores.float().softmax(-1)
 
-    def forward(self, x: torch.Tensor, *, mask: Optional[torch.Tensor] = None, causal: bool = False,
-                memory: Optional[torch.Tensor] = None, kv: Optional[KV] = None) -> tuple[torch.Tensor, KV]:
-        """Attend from x (B, T, d). Returns the output (B, T, d) and the keys/values used, for caching.
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        memory: Optional[torch.Tensor] = None,
+        kv: Optional[KV] = None,
+    ) -> tuple[torch.Tensor, KV]:
+        """Attend from x (B, T, d). Returns the output (B, T, d) and the keys/values used, for
+        caching.
 
         Self-attention: `kv`, if given, holds the cached keys/values of earlier positions.
         Cross-attention: `kv`, if given, replaces projecting `memory` again.
@@ -155,8 +174,14 @@ class MultiHeadAttention(nn.Module):
             if kv is not None:
                 k = torch.cat([kv[0], k], dim=2)  # (B, H, S_past + T, d_k)
                 v = torch.cat([kv[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*d_k)
         return self.out_proj(out), (k, v)
 
@@ -201,15 +226,23 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, cross=True)
+        self.cross_attn = MultiHeadAttention(
+            cfg.d_model, cfg.heads, cfg.attention_dropout, cross=True
+        )
         self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
         self.dropout = Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-                self_kv: Optional[KV] = None, cross_kv: Optional[KV] = None,
-                attention: Optional[list[torch.Tensor]] = None) -> tuple[torch.Tensor, KV, KV]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        self_kv: Optional[KV] = None,
+        cross_kv: Optional[KV] = None,
+        attention: Optional[list[torch.Tensor]] = None,
+    ) -> tuple[torch.Tensor, KV, KV]:
         """x (B, T, d). With cached `self_kv`, x holds only the new position(s) and needs no causal
         mask (the cache has only the past; is_causal would align the triangle top-left).
         `attention`, when given, receives this layer's cross-attention weights (B, H, T, S)."""
@@ -290,14 +323,22 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-                cache: Optional[KVCache] = None, attention: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        attention: Optional[list[torch.Tensor]] = None,
+    ) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, attention=attention)[0]
             else:
                 first = cache.cross_kv[i] is None
-                x, cache.self_kv[i], (k, v) = layer(x, memory, src_mask, cache.self_kv[i], cache.cross_kv[i])
+                x, cache.self_kv[i], (k, v) = layer(
+                    x, memory, src_mask, cache.self_kv[i], cache.cross_kv[i]
+                )
                 # the source's keys/values are read at every later step: store them contiguous, once
                 cache.cross_kv[i] = (k.contiguous(), v.contiguous()) if first else (k, v)
         return self.norm(x)
@@ -306,12 +347,16 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
     """Encoder-decoder with embeddings, positions and the output projection (Figure 1)."""
 
-    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool):
+    def __init__(
+        self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool
+    ):
         super().__init__()
         self.cfg = cfg
         self.src_embed = Embeddings(src_vocab_size, cfg.d_model)
         share_src_tgt = cfg.tie_embeddings and joint_vocab
-        self.tgt_embed = self.src_embed if share_src_tgt else Embeddings(tgt_vocab_size, cfg.d_model)
+        self.tgt_embed = (
+            self.src_embed if share_src_tgt else Embeddings(tgt_vocab_size, cfg.d_model)
+        )
         self.pos = PositionalEncoding(cfg.d_model, cfg.max_positions)
         self.dropout = Dropout(cfg.dropout)
         self.encoder = Encoder(cfg)
@@ -322,8 +367,9 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
         if cfg.tie_embeddings:  # Sec. 3.4: the output projection shares the target embedding matrix
             self.generator.weight = self.tgt_embed.lut.weight
-        # Training may run the output projection alone in a lower precision (train.precision bf16-output):
-        # set by the trainer, not saved; decoding (decode_step) always projects in the model's own dtype.
+        # Training may run the output projection alone in a lower precision (train.precision
+        # bf16-output): set by the trainer, not saved; decoding (decode_step) always projects in the
+        # model's own dtype.
         self.output_dtype: Optional[torch.dtype] = None
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,8 +378,13 @@ class Transformer(nn.Module):
         x = self.dropout(self.pos(self.src_embed(src)))
         return self.encoder(x, src_mask), src_mask
 
-    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-               cache: Optional[KVCache] = None) -> torch.Tensor:
+    def decode(
+        self,
+        tgt_in: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
         """tgt_in (B, T) ids -> decoder states (B, T, d). With a cache, tgt_in holds only the new
         positions, which start at cache.length; the cache is updated in place."""
         start = cache.length if cache is not None else 0
@@ -346,8 +397,9 @@ class Transformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits (B, T, V) of src (B, S) and tgt_in (B, T) ids.
 
-        Every position is projected, padding included: picking the real tokens first skips the padding
-        in the largest matrix multiply, but was slower overall in `make bench` ablations (BENCHMARKS.md).
+        Every position is projected, padding included: picking the real tokens first skips the
+        padding in the largest matrix multiply, but was slower overall in `make bench` ablations
+        (BENCHMARKS.md).
         """
         memory, src_mask = self.encode(src)
         h = self.decode(tgt_in, memory, src_mask)  # (B, T, d)
@@ -361,15 +413,20 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def cross_attention(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """Cross-attention weights of every decoder layer and head, teacher-forced: (L, B, H, T, S)."""
+        """Cross-attention weights of every decoder layer and head, teacher-forced: (L, B, H, T,
+        S)."""
         memory, src_mask = self.encode(src)
         weights: list[torch.Tensor] = []
-        self.decoder(self.dropout(self.pos(self.tgt_embed(tgt_in))), memory, src_mask, attention=weights)
+        self.decoder(
+            self.dropout(self.pos(self.tgt_embed(tgt_in))), memory, src_mask, attention=weights
+        )
         return torch.stack(weights)
 
-    def decode_step(self, tokens: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-                    cache: KVCache) -> torch.Tensor:
-        """One incremental step: tokens (B, 1) -> logits (B, V) of the next token, in the compute dtype.
+    def decode_step(
+        self, tokens: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """One incremental step: tokens (B, 1) -> logits (B, V) of the next token, in the compute
+        dtype.
 
         Only the newest position is projected to the vocabulary. Search normalises what it needs:
         greedy takes the argmax as is, beam search only the best few tokens of each row.
@@ -389,40 +446,53 @@ class Transformer(nn.Module):
         t_len = (tgt_out != PAD).sum(1).double()
         S, T = s_len.sum().item(), t_len.sum().item()
         fwd = c.encoder_layers * (S * (8 * d * d + 4 * d * ff) + (4 * d * s_len**2).sum().item())
-        fwd += c.decoder_layers * (T * (12 * d * d + 4 * d * ff) + S * 4 * d * d
-                                   + (2 * d * t_len * (t_len + 1)).sum().item() + (4 * d * t_len * s_len).sum().item())
+        fwd += c.decoder_layers * (
+            T * (12 * d * d + 4 * d * ff)
+            + S * 4 * d * d
+            + (2 * d * t_len * (t_len + 1)).sum().item()
+            + (4 * d * t_len * s_len).sum().item()
+        )
         return 3 * (fwd + T * 2 * d * vocab)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied matrices are counted once
 
 
-
 # --------------------------------------------------------------------------- ensembles
 
 
 class Ensemble(nn.Module):
-    """Models that decode together: the next-token distribution is the mean of theirs, each model with
-    its own KV cache. It offers what search needs of a Transformer (encode, new_cache, decode_step and
-    forward), returning log-probabilities where a Transformer returns logits: search normalises either."""
+    """Models that decode together: the next-token distribution is the mean of theirs, each model
+    with its own KV cache. It offers what search needs of a Transformer (encode, new_cache,
+    decode_step and forward), returning log-probabilities where a Transformer returns logits: search
+    normalises either."""
 
     def __init__(self, models: list[Transformer]):
         super().__init__()
         self.members = nn.ModuleList(models)
-        self.cfg = min((m.cfg for m in models), key=lambda c: c.max_positions)  # the shortest limit holds
+        # the shortest limit holds
+        self.cfg = min((m.cfg for m in models), key=lambda c: c.max_positions)
 
     def encode(self, src: torch.Tensor) -> tuple["_PerMember", torch.Tensor]:
         encoded = [m.encode(src) for m in self.members]
-        return _PerMember([memory for memory, _ in encoded]), encoded[0][1]  # one padding mask: one source
+        # one padding mask: one source
+        return _PerMember([memory for memory, _ in encoded]), encoded[0][1]
 
     def new_cache(self) -> "_PerMember":
         return _PerMember([m.new_cache() for m in self.members])
 
-    def decode_step(self, tokens: torch.Tensor, memory: "_PerMember", src_mask: torch.Tensor,
-                    cache: "_PerMember") -> torch.Tensor:
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        memory: "_PerMember",
+        src_mask: torch.Tensor,
+        cache: "_PerMember",
+    ) -> torch.Tensor:
         """(B, 1) tokens -> (B, V) log of the members' mean next-token probability."""
-        logps = [F.log_softmax(m.decode_step(tokens, mem, src_mask, c), dim=-1, dtype=torch.float32)
-                 for m, mem, c in zip(self.members, memory.parts, cache.parts)]
+        logps = [
+            F.log_softmax(m.decode_step(tokens, mem, src_mask, c), dim=-1, dtype=torch.float32)
+            for m, mem, c in zip(self.members, memory.parts, cache.parts)
+        ]
         return torch.stack(logps).logsumexp(0) - math.log(len(logps))
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
@@ -436,7 +506,8 @@ class Ensemble(nn.Module):
 
 
 class _PerMember:
-    """One object per ensemble member (encoder outputs, KV caches), indexed and reordered together."""
+    """One object per ensemble member (encoder outputs, KV caches), indexed and reordered
+    together."""
 
     def __init__(self, parts: list):
         self.parts = parts

@@ -1,4 +1,5 @@
-"""Attention pictures for `tmt translate --plot-attention` (the optional [plot] extra: matplotlib)."""
+"""Attention pictures for `tmt translate --plot-attention` (the optional [plot] extra:
+matplotlib)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UserError("--plot-attention needs matplotlib: pip install 'transformer-mt[plot]'") from None
+        raise UserError(
+            "--plot-attention needs matplotlib: pip install 'transformer-mt[plot]'"
+        ) from None
 
 
 def plot_attention(h: Translation, path: Path, *, all_heads: bool = False) -> None:
-    """One PNG: source words x target words of the attention the alignment uses (the last layer, heads
-    averaged), with a colour bar; or, with all_heads, a grid of every layer and head over pieces."""
+    """One PNG: source words x target words of the attention the alignment uses (the last layer,
+    heads averaged), with a colour bar; or, with all_heads, a grid of every layer and head over
+    pieces."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -33,13 +37,18 @@ def plot_attention(h: Translation, path: Path, *, all_heads: bool = False) -> No
         for layer in range(L):
             for head in range(H):
                 ax = axes[layer][head]
-                image = ax.imshow(h.attention_heads[layer, head].numpy(), cmap="viridis", vmin=0, vmax=1)
+                image = ax.imshow(
+                    h.attention_heads[layer, head].numpy(), cmap="viridis", vmin=0, vmax=1
+                )
                 ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=8)
                 _label(ax, h.source_pieces + ["</s>"], h.pieces + ["</s>"], fontsize=5)
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention")
     else:
-        matrix = word_attention(torch.tensor(h.attention), h.source_pieces, h.pieces)  # (target words, source words)
-        fig, ax = plt.subplots(figsize=(1.5 + 0.45 * max(len(src_words), 4), 1.2 + 0.4 * max(len(tgt_words), 4)))
+        # (target words, source words)
+        matrix = word_attention(torch.tensor(h.attention), h.source_pieces, h.pieces)
+        fig, ax = plt.subplots(
+            figsize=(1.5 + 0.45 * max(len(src_words), 4), 1.2 + 0.4 * max(len(tgt_words), 4))
+        )
         image = ax.imshow(matrix.numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
         _label(ax, src_words, tgt_words, fontsize=9)
         ax.set_xlabel("source")

@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# A training precision besides those: fp32, except the output projection (tokens x vocabulary, the largest
-# matrix product of a small model), which runs in bf16 autocast (Transformer.output_dtype). On a CPU with
-# fast bf16 matrix units but slow bf16 everything-else it is the fastest of the three.
+# A training precision besides those: fp32, except the output projection (tokens x vocabulary, the
+# largest matrix product of a small model), which runs in bf16 autocast (Transformer.output_dtype).
+# On a CPU with fast bf16 matrix units but slow bf16 everything-else it is the fastest of the three.
 BF16_OUTPUT = "bf16-output"
 
 
@@ -41,7 +41,8 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """auto: bf16 on GPUs that support it, fp16 (with a grad scaler) on older GPUs, fp32 elsewhere."""
+    """auto: bf16 on GPUs that support it, fp16 (with a grad scaler) on older GPUs, fp32
+    elsewhere."""
     if precision != "auto":
         return precision
     if device.type == "cuda":
@@ -56,19 +57,23 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
-def inference_model(model: torch.nn.Module, precision: str, device: torch.device) -> tuple[torch.nn.Module, str]:
+def inference_model(
+    model: torch.nn.Module, precision: str, device: torch.device
+) -> tuple[torch.nn.Module, str]:
     """The model to decode with, in eval mode, and the precision it runs in.
 
-    A bf16 (or, on GPUs, fp16) run decodes with a copy of the model wholly in that dtype, as fairseq's --fp16
-    generation does: no casts per operation and half the bytes through every op and the KV cache
-    (BENCHMARKS.md has its speed and BLEU). The caller's model is left as it is, so training can go on.
+    A bf16 (or, on GPUs, fp16) run decodes with a copy of the model wholly in that dtype, as
+    fairseq's --fp16 generation does: no casts per operation and half the bytes through every op and
+    the KV cache (BENCHMARKS.md has its speed and BLEU). The caller's model is left as it is, so
+    training can go on.
     """
     precision = resolve_precision(precision, device)
     if precision == "int8":
         return quantize_linear(model), precision
     if precision == "fp16" and device.type != "cuda":  # a GPU fp16 run decoded elsewhere
         precision = "fp32"
-    if precision == BF16_OUTPUT:  # its weights are fp32; the bf16 output layer only sped up training
+    # its weights are fp32; the bf16 output layer only sped up training
+    if precision == BF16_OUTPUT:
         precision = "fp32"
     if next(model.parameters()).dtype != DTYPES[precision]:
         model = copy.deepcopy(model).to(DTYPES[precision])
@@ -76,35 +81,42 @@ def inference_model(model: torch.nn.Module, precision: str, device: torch.device
 
 
 def quantize_linear(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the model whose nn.Linear layers hold int8 weights and quantize their inputs on the fly
-    (dynamic quantization, CPU only): 4x smaller weights and int8 matrix products; embeddings, layer norms
-    and attention stay fp32. One scale per output row (per channel), as CTranslate2's int8 does: one scale
-    per matrix cost a half-trained demo model 0.7 BLEU, per row 0.15. torch.ao's eager API is deprecated
-    for torchao but ships with torch."""
+    """A copy of the model whose nn.Linear layers hold int8 weights and quantize their inputs on the
+    fly (dynamic quantization, CPU only): 4x smaller weights and int8 matrix products; embeddings,
+    layer norms and attention stay fp32. One scale per output row (per channel), as CTranslate2's
+    int8 does: one scale per matrix cost a half-trained demo model 0.7 BLEU, per row 0.15.
+    torch.ao's eager API is deprecated for torchao but ships with torch."""
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the deprecation notice, on every call
-        return quantize_dynamic(copy.deepcopy(model).float().eval(), {torch.nn.Linear: per_channel_dynamic_qconfig},
-                                dtype=torch.qint8)
+        return quantize_dynamic(
+            copy.deepcopy(model).float().eval(),
+            {torch.nn.Linear: per_channel_dynamic_qconfig},
+            dtype=torch.qint8,
+        )
 
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+            return set(
+                next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            )
     except OSError:
         return set()
 
 
-# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) at or above AVX512_CORE_BF16; any other cap leaves it without bf16.
+# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) at or above AVX512_CORE_BF16; any other cap leaves it
+# without bf16.
 _ONEDNN_BF16_ISAS = ("BF16", "FP16", "AMX", "AVX10")
 
 
 def cpu_bf16_obstacle() -> str:
-    """Why bf16 matrix products would be emulated on this CPU ("" when they are native): no avx512_bf16 or
-    amx_bf16 flag, or torch's dispatch (ATEN_CPU_CAPABILITY) or oneDNN (ONEDNN_MAX_CPU_ISA) capped below AVX-512."""
+    """Why bf16 matrix products would be emulated on this CPU ("" when they are native): no
+    avx512_bf16 or amx_bf16 flag, or torch's dispatch (ATEN_CPU_CAPABILITY) or oneDNN
+    (ONEDNN_MAX_CPU_ISA) capped below AVX-512."""
     flags = cpu_flags()
     if not flags & {"avx512_bf16", "amx_bf16"}:
         return "the CPU has no avx512_bf16 or amx_bf16 flag"
@@ -118,21 +130,28 @@ def cpu_bf16_obstacle() -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and torch and oneDNN may use it."""
+    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and torch and oneDNN may
+    use it."""
     return not cpu_bf16_obstacle()
 
 
-def fastest_cpu_precision(step: Callable[[str], None], repeats: int = 2, candidates: tuple[str, ...] = ("fp32", "bf16"),
-                          *, slower: float = 2.0, clock: Callable[[], float] = time.perf_counter
-                          ) -> tuple[str, dict[str, float], dict[str, str]]:
-    """The candidate precision that runs `step(precision)` (one training step of the model) fastest here, the
-    seconds each took (the best of `repeats` after a warm-up), and the candidates skipped, with why. bf16 autocast is
-    ~1.3x faster on CPUs whose AMX units multiply bf16 (Intel Sapphire Rapids on), and can be slower where bf16 is
-    only converted (AVX512-BF16 without AMX), where bf16 for the output layer alone can still pay: measuring beats
-    guessing. But where bf16 is emulated (no AVX512-BF16/AMX: 24x slower than fp32 on an AVX2 EPYC) the bf16
-    candidates are not timed at all, and a candidate whose warm-up step takes over `slower` times the first
-    candidate's (fp32's) is dropped after it: the probe costs a few steps, not a minute. With one candidate left,
-    nothing is timed (`seconds` is empty)."""
+def fastest_cpu_precision(
+    step: Callable[[str], None],
+    repeats: int = 2,
+    candidates: tuple[str, ...] = ("fp32", "bf16"),
+    *,
+    slower: float = 2.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[str, dict[str, float], dict[str, str]]:
+    """The candidate precision that runs `step(precision)` (one training step of the model) fastest
+    here, the seconds each took (the best of `repeats` after a warm-up), and the candidates skipped,
+    with why. bf16 autocast is ~1.3x faster on CPUs whose AMX units multiply bf16 (Intel Sapphire
+    Rapids on), and can be slower where bf16 is only converted (AVX512-BF16 without AMX), where bf16
+    for the output layer alone can still pay: measuring beats guessing. But where bf16 is emulated
+    (no AVX512-BF16/AMX: 24x slower than fp32 on an AVX2 EPYC) the bf16 candidates are not timed at
+    all, and a candidate whose warm-up step takes over `slower` times the first candidate's (fp32's)
+    is dropped after it: the probe costs a few steps, not a minute. With one candidate left, nothing
+    is timed (`seconds` is empty)."""
     obstacle = cpu_bf16_obstacle() if any("bf16" in p for p in candidates[1:]) else ""
     skipped = {p: f"no native bf16: {obstacle}" for p in candidates[1:] if obstacle and "bf16" in p}
     timed = [p for p in candidates if p not in skipped]
@@ -140,14 +159,17 @@ def fastest_cpu_precision(step: Callable[[str], None], repeats: int = 2, candida
         return timed[0], {}, skipped
     warm: dict[str, float] = {}
     seconds: dict[str, float] = {}
-    with torch.random.fork_rng(devices=[]):  # the probe's dropout must not shift the run's random stream
+    # the probe's dropout must not shift the run's random stream
+    with torch.random.fork_rng(devices=[]):
         for precision in list(timed):
             start = clock()
             step(precision)  # warm-up: first calls allocate and pick kernels
             warm[precision] = clock() - start
             if precision != candidates[0] and warm[precision] > slower * warm[candidates[0]]:
-                skipped[precision] = (f"its first step took {1000 * warm[precision]:.0f} ms, over {slower:g}x "
-                                      f"{candidates[0]}'s {1000 * warm[candidates[0]]:.0f} ms")
+                skipped[precision] = (
+                    f"its first step took {1000 * warm[precision]:.0f} ms, over {slower:g}x "
+                    f"{candidates[0]}'s {1000 * warm[candidates[0]]:.0f} ms"
+                )
                 timed.remove(precision)
         for _ in range(repeats):
             for precision in timed:
@@ -158,10 +180,11 @@ def fastest_cpu_precision(step: Callable[[str], None], repeats: int = 2, candida
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to serve every block from its heap and keep freed memory for reuse (mallopt
-    M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 GiB). By default a block above 32 MB (a batch's logits) is mmap'ed
-    and unmapped every step, and the kernel zero-fills its pages again each time: on a 2-core CPU run
-    that was ~100,000 minor page faults a second. Linux with glibc only; False where not applied."""
+    """Ask glibc's malloc to serve every block from its heap and keep freed memory for reuse
+    (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 GiB). By default a block above 32 MB (a batch's
+    logits) is mmap'ed and unmapped every step, and the kernel zero-fills its pages again each time:
+    on a 2-core CPU run that was ~100,000 minor page faults a second. Linux with glibc only; False
+    where not applied."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -173,7 +196,8 @@ def keep_freed_memory() -> bool:
 
 
 def minor_faults() -> int:
-    """Minor page faults of this process so far (/proc/self/stat field 10; 0 where there is no /proc)."""
+    """Minor page faults of this process so far (/proc/self/stat field 10; 0 where there is no
+    /proc)."""
     try:
         with open("/proc/self/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[7])
@@ -181,12 +205,14 @@ def minor_faults() -> int:
         return 0
 
 
-def matmul_gflops(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int,
-                  seconds: float = 0.3) -> float:
-    """GFLOP/s of an (m, k) @ (k, n) matmul in `dtype`, timed for about `seconds`: the MFU denominator.
+def matmul_gflops(
+    device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.3
+) -> float:
+    """GFLOP/s of an (m, k) @ (k, n) matmul in `dtype`, timed for about `seconds`: the MFU
+    denominator.
 
-    The operands are constants, not random: a resumed run must draw exactly the random numbers that an
-    uninterrupted run draws.
+    The operands are constants, not random: a resumed run must draw exactly the random numbers that
+    an uninterrupted run draws.
     """
     a = torch.full((m, k), 0.5, device=device, dtype=dtype)
     b = torch.full((k, n), 0.5, device=device, dtype=dtype)

@@ -21,13 +21,14 @@ from .data import TokenizedCorpus, collate, cut_batches, make_batches, pad_sourc
 from .model import Transformer
 from .vocab import BOS, EOS, PAD
 
-
 log = logging.getLogger("transformer_mt")
-StopCheck = Optional[Callable[[], bool]]  # asked between decoding steps: True ends the search (Cancelled)
+# asked between decoding steps: True ends the search (Cancelled)
+StopCheck = Optional[Callable[[], bool]]
 
 
 class Cancelled(Exception):
-    """A search stopped between two decoding steps because its `should_stop` said so (nobody waits for it)."""
+    """A search stopped between two decoding steps because its `should_stop` said so (nobody waits
+    for it)."""
 
 
 def _check_stop(should_stop: StopCheck) -> None:
@@ -52,7 +53,8 @@ def _mask_specials(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _force_eos(scores: torch.Tensor, forced: torch.Tensor) -> None:
-    """Rows out of length budget may only end: every token but EOS gets -inf (EOS keeps its score)."""
+    """Rows out of length budget may only end: every token but EOS gets -inf (EOS keeps its
+    score)."""
     eos = scores[:, EOS].clone()
     scores.masked_fill_(forced.unsqueeze(1), -math.inf)  # no boolean indexing: no host sync
     scores[:, EOS] = torch.where(forced, eos, scores[:, EOS])
@@ -81,40 +83,53 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or self.topk < 0 or not 0 < self.topp <= 1:
-            raise ValueError(f"sampling needs temperature >= 0, topk >= 0 and 0 < topp <= 1, got {self}")
+            raise ValueError(
+                f"sampling needs temperature >= 0, topk >= 0 and 0 < topp <= 1, got {self}"
+            )
 
     def generator(self, device: torch.device) -> torch.Generator | None:
-        """A generator seeded with `seed`, to be passed along one whole job (not re-seeded per batch)."""
+        """A generator seeded with `seed`, to be passed along one whole job (not re-seeded per
+        batch)."""
         return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 
     def choose(self, logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """logp (n, V) log-probabilities (specials masked) -> (n,) next tokens."""
         if self.temperature == 0:
             return logp.argmax(-1)
-        # (n, V); softmax(logp / T) = softmax(logits / T). The best token is 0 before dividing, so a tiny T
-        # cannot underflow every score to -inf.
+        # (n, V); softmax(logp / T) = softmax(logits / T). The best token is 0 before dividing, so a
+        # tiny T cannot underflow every score to -inf.
         scores = (logp - logp.max(1, keepdim=True).values) / self.temperature
         if self.topk:
             kth = scores.topk(min(self.topk, scores.size(1)), dim=1).values[:, -1:]  # (n, 1)
             scores = scores.masked_fill(scores < kth, -math.inf)
         if self.topp < 1.0:
             ordered, order = scores.sort(dim=1, descending=True)
-            before = ordered.softmax(1).cumsum(1) - ordered.softmax(1)  # probability of the better tokens
-            ordered = ordered.masked_fill(before >= self.topp, -math.inf)  # the best token always stays
+            # probability of the better tokens
+            before = ordered.softmax(1).cumsum(1) - ordered.softmax(1)
+            # the best token always stays
+            ordered = ordered.masked_fill(before >= self.topp, -math.inf)
             scores = torch.full_like(scores, -math.inf).scatter(1, order, ordered)
         return torch.multinomial(scores.softmax(1), 1, generator=generator).squeeze(1)
 
 
 @torch.no_grad()
-def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10,
-                  sampling: Sampling | None = None, generator: torch.Generator | None = None,
-                  should_stop: StopCheck = None) -> list[list[Hypothesis]]:
+def greedy_search(
+    model: Transformer,
+    src: torch.Tensor,
+    *,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
+    should_stop: StopCheck = None,
+) -> list[list[Hypothesis]]:
     """The most likely next token at each step (or one drawn by `sampling`); src (B, S) -> one
     hypothesis per sentence (a list of one, like beam search's n-best lists). `should_stop` is asked
     before every step; True raises Cancelled."""
     B, device = src.size(0), src.device
     memory, src_mask = model.encode(src)
-    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)  # (B,)
+    # (B,)
+    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)
     T = int(max_len.max())
     out_tok = torch.full((B, T), EOS, dtype=torch.long, device=device)  # filled in on the device,
     out_logp = torch.zeros((B, T), device=device)  # read back once at the end
@@ -125,8 +140,13 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
         _check_stop(should_stop)
         logits = model.decode_step(tokens, memory, src_mask, cache).float()  # (n, V)
         log_z = logits.logsumexp(-1)  # (n,): log-probability = logit - log_z
-        _force_eos(_mask_specials(logits), max_len[alive] <= t + 1)  # out of budget: this token must be EOS
-        next_tok = logits.argmax(-1) if sampling is None else sampling.choose(logits - log_z[:, None], generator)
+        # out of budget: this token must be EOS
+        _force_eos(_mask_specials(logits), max_len[alive] <= t + 1)
+        next_tok = (
+            logits.argmax(-1)
+            if sampling is None
+            else sampling.choose(logits - log_z[:, None], generator)
+        )
         out_tok[alive, t] = next_tok
         out_logp[alive, t] = logits.gather(1, next_tok.unsqueeze(1)).squeeze(1) - log_z
         keep = (next_tok != EOS).nonzero().squeeze(1)  # the one host sync of the step
@@ -136,74 +156,102 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = 1
             alive, memory, src_mask = alive[keep], memory[keep], src_mask[keep]
             cache.reorder(keep)
         tokens = next_tok[keep].unsqueeze(1)
-    lengths = ((out_tok != EOS).cumprod(1).sum(1) + 1).tolist()  # tokens up to and including the first EOS
+    # tokens up to and including the first EOS
+    lengths = ((out_tok != EOS).cumprod(1).sum(1) + 1).tolist()
     out = []
     for toks, logps, n in zip(out_tok.tolist(), out_logp.tolist(), lengths):
         lp = logps[:n]
-        out.append([Hypothesis(toks[:n - 1], sum(lp), sum(lp), lp)])
+        out.append([Hypothesis(toks[: n - 1], sum(lp), sum(lp), lp)])
     return out
 
 
 def topk_rows(x: torch.Tensor, k: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of x (R, V) and their columns, best first, like x.topk(k).
 
-    Exact, and faster than torch.topk on CPU for k << V (BENCHMARKS.md): the maxima of blocks of `block`
-    columns (a vectorised reduction) pick the k best blocks, and only those are searched. A value among
-    the k best lies in a block whose maximum is among the k best maxima.
+    Exact, and faster than torch.topk on CPU for k << V (BENCHMARKS.md): the maxima of blocks of
+    `block` columns (a vectorised reduction) pick the k best blocks, and only those are searched. A
+    value among the k best lies in a block whose maximum is among the k best maxima.
     """
     R, V = x.shape
     n_blocks = V // block
     if n_blocks < 2 * k:
         return x.topk(k, dim=1)
-    main = x[:, :n_blocks * block].unflatten(1, (n_blocks, block))  # (R, n_blocks, block), a view
+    main = x[:, : n_blocks * block].unflatten(1, (n_blocks, block))  # (R, n_blocks, block), a view
     best_blocks = main.amax(2).topk(k, dim=1).indices  # (R, k)
-    cols = (best_blocks.unsqueeze(2) * block + torch.arange(block, device=x.device)).flatten(1)  # (R, k*block)
-    tail = torch.arange(n_blocks * block, V, device=x.device).expand(R, -1)  # columns past the last block
+    # (R, k*block)
+    cols = (best_blocks.unsqueeze(2) * block + torch.arange(block, device=x.device)).flatten(1)
+    # columns past the last block
+    tail = torch.arange(n_blocks * block, V, device=x.device).expand(R, -1)
     cols = torch.cat([cols, tail], dim=1)
     values, pick = x.gather(1, cols).topk(k, dim=1)  # (R, k)
     return values, cols.gather(1, pick)
 
 
-def beam_step(cum_scores: torch.Tensor, cand_logp: torch.Tensor, cand_tok: torch.Tensor, n_cand: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def beam_step(
+    cum_scores: torch.Tensor, cand_logp: torch.Tensor, cand_tok: torch.Tensor, n_cand: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One beam-search step (pure): the best `n_cand` extensions of the live hypotheses.
 
-    cum_scores (N, K) log-probabilities of the live hypotheses; cand_logp (N, K, C) log-probabilities
-    of each hypothesis's C best next tokens, cand_tok (N, K, C) their ids. With C >= n_cand this is
-    exact: a token outside its own row's best C cannot be among the best n_cand of the sentence.
-    Returns the score, source beam, token and the token's own log-probability of each candidate, each
-    (N, n_cand), best first. Taking 2K candidates means hypotheses ending in EOS never leave fewer than K
-    to continue (fairseq's trick).
+    cum_scores (N, K) log-probabilities of the live hypotheses; cand_logp (N, K, C)
+    log-probabilities of each hypothesis's C best next tokens, cand_tok (N, K, C) their ids. With C
+    >= n_cand this is exact: a token outside its own row's best C cannot be among the best n_cand of
+    the sentence. Returns the score, source beam, token and the token's own log-probability of each
+    candidate, each (N, n_cand), best first. Taking 2K candidates means hypotheses ending in EOS
+    never leave fewer than K to continue (fairseq's trick).
     """
     N, K, C = cand_logp.shape
     scores = (cum_scores.unsqueeze(-1) + cand_logp).view(N, K * C)  # (N, K*C)
     top, idx = scores.topk(min(n_cand, K * C), dim=1)
-    return top, idx // C, cand_tok.view(N, K * C).gather(1, idx), cand_logp.view(N, K * C).gather(1, idx)
+    return (
+        top,
+        idx // C,
+        cand_tok.view(N, K * C).gather(1, idx),
+        cand_logp.view(N, K * C).gather(1, idx),
+    )
 
 
-def _keep_finished(final: torch.Tensor, top: torch.Tensor, src_beam: torch.Tensor, tok_logp: torch.Tensor,
-                   seqs: torch.Tensor, seq_logp: torch.Tensor, alive: torch.Tensor, lp: float,
-                   finished: list[list[Hypothesis]]) -> None:
+def _keep_finished(
+    final: torch.Tensor,
+    top: torch.Tensor,
+    src_beam: torch.Tensor,
+    tok_logp: torch.Tensor,
+    seqs: torch.Tensor,
+    seq_logp: torch.Tensor,
+    alive: torch.Tensor,
+    lp: float,
+    finished: list[list[Hypothesis]],
+) -> None:
     """Add the candidates marked in `final` (N, K) to their sentences' finished hypotheses, scored
     log P / lp. Their tokens come to the host in one transfer, not one per hypothesis."""
     K = final.size(1)
     n, c = final.nonzero().unbind(1)  # (F,) group and candidate of each finished hypothesis
     rows = n * K + src_beam[n, c]
-    logps = torch.cat([seq_logp[rows], tok_logp[n, c].unsqueeze(1)], dim=1).tolist()  # (F, t + 1): + EOS
+    # (F, t + 1): + EOS
+    logps = torch.cat([seq_logp[rows], tok_logp[n, c].unsqueeze(1)], dim=1).tolist()
     for sent, s, hyp, lps in zip(alive[n].tolist(), top[n, c].tolist(), seqs[rows].tolist(), logps):
         finished[sent].append(Hypothesis(hyp, s, s / lp, lps))
 
 
 @torch.no_grad()
-def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: float = 0.6, max_len_a: float = 1.5,
-                max_len_b: int = 10, nbest: int = 1, should_stop: StopCheck = None) -> list[list[Hypothesis]]:
-    """Batched beam search; the `nbest` best finished hypotheses of each source row, best first. Hypotheses
-    are scored by log P(Y|X) / lp(Y) (GNMT length penalty, |Y| counting EOS); a sentence is finished once it
-    has `beam` complete hypotheses or reaches its length budget. `should_stop` is asked before every step
-    (True raises Cancelled)."""
+def beam_search(
+    model: Transformer,
+    src: torch.Tensor,
+    *,
+    beam: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    nbest: int = 1,
+    should_stop: StopCheck = None,
+) -> list[list[Hypothesis]]:
+    """Batched beam search; the `nbest` best finished hypotheses of each source row, best first.
+    Hypotheses are scored by log P(Y|X) / lp(Y) (GNMT length penalty, |Y| counting EOS); a sentence
+    is finished once it has `beam` complete hypotheses or reaches its length budget. `should_stop`
+    is asked before every step (True raises Cancelled)."""
     B, K, device = src.size(0), beam, src.device
     memory, src_mask = model.encode(src)
-    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)  # (B,)
+    # (B,)
+    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)
     # Each sentence's K hypotheses sit in K consecutive rows of every decoder tensor.
     expand = torch.arange(B, device=device).repeat_interleave(K)
     memory, src_mask = memory[expand], src_mask[expand]  # (B*K, S, d), (B*K, 1, 1, S)
@@ -214,7 +262,8 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
     seq_logp = torch.zeros((B * K, 0), device=device)  # their log-probabilities
     tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    n_finished = torch.zeros(B, dtype=torch.long, device=device)  # len(finished[b]), kept on the device
+    # len(finished[b]), kept on the device
+    n_finished = torch.zeros(B, dtype=torch.long, device=device)
     cache = model.new_cache()
     for t in range(int(max_len.max())):
         _check_stop(should_stop)
@@ -226,7 +275,9 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
             _force_eos(logp, forced)
         # Each hypothesis's 2K best tokens are enough to find the sentence's 2K best extensions.
         cand_logp, cand_tok = topk_rows(logp, min(2 * K, logp.size(1)))  # (N*K, 2K)
-        top, src_beam, tok, tok_logp = beam_step(cum, cand_logp.view(N, K, -1), cand_tok.view(N, K, -1), 2 * K)
+        top, src_beam, tok, tok_logp = beam_step(
+            cum, cand_logp.view(N, K, -1), cand_tok.view(N, K, -1), 2 * K
+        )
         # Candidates ending in EOS among the best K become finished hypotheses.
         is_eos = tok == EOS  # (N, 2K)
         final = is_eos[:, :K] & torch.isfinite(top[:, :K])
@@ -236,7 +287,8 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
             n_finished[alive] += final.sum(1)
         # The best K candidates not ending in EOS continue.
         keep_scores, pick = top.masked_fill(is_eos, -math.inf).topk(K, dim=1)  # (N, K)
-        rows = (torch.arange(N, device=device).unsqueeze(1) * K + src_beam.gather(1, pick)).view(-1)  # (N*K,)
+        # (N*K,)
+        rows = (torch.arange(N, device=device).unsqueeze(1) * K + src_beam.gather(1, pick)).view(-1)
         next_tok = tok.gather(1, pick).view(-1, 1)  # (N*K, 1)
         seqs, cum = torch.cat([seqs[rows], next_tok], dim=1), keep_scores
         seq_logp = torch.cat([seq_logp[rows], tok_logp.gather(1, pick).view(-1, 1)], dim=1)
@@ -247,70 +299,129 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam: int = 4, alpha: 
         keep = (~done).nonzero().squeeze(1)  # (N',) live groups
         keep_rows = (keep.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
         rows = rows[keep_rows]
-        cache.reorder_self(rows)  # hypotheses move within their sentence's K rows: the source side stays
+        # hypotheses move within their sentence's K rows: the source side stays
+        cache.reorder_self(rows)
         if len(keep) < N:  # drop finished sentences from the batch
             memory, src_mask = memory[keep_rows], src_mask[keep_rows]
             cache.reorder_cross(keep_rows)
         alive, cum, tokens = alive[keep], cum[keep], next_tok[keep_rows]
         seqs, seq_logp = seqs[keep_rows], seq_logp[keep_rows]
-    return [sorted(hyps, key=lambda h: -h.score)[:nbest] or [Hypothesis([], -math.inf, -math.inf, [])]
-            for hyps in finished]
+    return [
+        sorted(hyps, key=lambda h: -h.score)[:nbest] or [Hypothesis([], -math.inf, -math.inf, [])]
+        for hyps in finished
+    ]
 
 
-def search(model: Transformer, src: torch.Tensor, *, beam: int, decode: DecodeConfig, nbest: int = 1,
-           sampling: Sampling | None = None, generator: torch.Generator | None = None,
-           should_stop: StopCheck = None) -> list[list[Hypothesis]]:
-    """Greedy search for beam 1 (or sampling, when given), else beam search, with the settings of `decode`."""
+def search(
+    model: Transformer,
+    src: torch.Tensor,
+    *,
+    beam: int,
+    decode: DecodeConfig,
+    nbest: int = 1,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
+    should_stop: StopCheck = None,
+) -> list[list[Hypothesis]]:
+    """Greedy search for beam 1 (or sampling, when given), else beam search, with the settings of
+    `decode`."""
     if beam == 1 or sampling is not None:
-        return greedy_search(model, src, max_len_a=decode.max_len_a, max_len_b=decode.max_len_b, sampling=sampling,
-                             generator=generator, should_stop=should_stop)
-    return beam_search(model, src, beam=beam, alpha=decode.alpha, max_len_a=decode.max_len_a,
-                       max_len_b=decode.max_len_b, nbest=nbest, should_stop=should_stop)
+        return greedy_search(
+            model,
+            src,
+            max_len_a=decode.max_len_a,
+            max_len_b=decode.max_len_b,
+            sampling=sampling,
+            generator=generator,
+            should_stop=should_stop,
+        )
+    return beam_search(
+        model,
+        src,
+        beam=beam,
+        alpha=decode.alpha,
+        max_len_a=decode.max_len_a,
+        max_len_b=decode.max_len_b,
+        nbest=nbest,
+        should_stop=should_stop,
+    )
 
 
-def translate_ids(model: Transformer, ids: Sequence[Sequence[int]], decode: DecodeConfig, *, beam: int,
-                  nbest: int = 1, sampling: Sampling | None = None, generator: torch.Generator | None = None,
-                  should_stop: StopCheck = None) -> list[list[Hypothesis]]:
-    """The n-best hypotheses of each source, in input order; an empty source gives one empty hypothesis.
+def translate_ids(
+    model: Transformer,
+    ids: Sequence[Sequence[int]],
+    decode: DecodeConfig,
+    *,
+    beam: int,
+    nbest: int = 1,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
+    should_stop: StopCheck = None,
+) -> list[list[Hypothesis]]:
+    """The n-best hypotheses of each source, in input order; an empty source gives one empty
+    hypothesis.
 
-    Sources are sorted by length and cut into batches of decode.max_src_tokens // beam padded tokens;
-    sources longer than the model's positions are truncated, with a warning. `should_stop` is asked
-    between decoding steps: True raises Cancelled (a server's client left).
+    Sources are sorted by length and cut into batches of decode.max_src_tokens // beam padded
+    tokens; sources longer than the model's positions are truncated, with a warning. `should_stop`
+    is asked between decoding steps: True raises Cancelled (a server's client left).
     """
     device, max_src = next(model.parameters()).device, model.cfg.max_positions
     too_long = sum(len(x) >= max_src for x in ids)
     if too_long:
         log.warning("%d input line(s) longer than %d tokens were truncated", too_long, max_src - 1)
-    order = np.array(sorted((i for i in range(len(ids)) if len(ids[i])), key=lambda i: len(ids[i])), dtype=np.int64)
+    order = np.array(
+        sorted((i for i in range(len(ids)) if len(ids[i])), key=lambda i: len(ids[i])),
+        dtype=np.int64,
+    )
     widths = np.array([min(len(ids[i]), max_src - 1) + 1 for i in order], dtype=np.int64)
     out = [[Hypothesis([], 0.0, 0.0, [])] for _ in ids]
     for batch in cut_batches(order, widths, decode.max_src_tokens // beam):
         src = pad_sources([ids[i] for i in batch], max_src).to(device)
-        for i, hyps in zip(batch, search(model, src, beam=beam, decode=decode, nbest=nbest, sampling=sampling,
-                                         generator=generator, should_stop=should_stop)):
+        for i, hyps in zip(
+            batch,
+            search(
+                model,
+                src,
+                beam=beam,
+                decode=decode,
+                nbest=nbest,
+                sampling=sampling,
+                generator=generator,
+                should_stop=should_stop,
+            ),
+        ):
             out[i] = hyps
     return out
 
 
 @torch.no_grad()
-def forced_logprobs(model: Transformer, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor
-                    ) -> torch.Tensor:
-    """Forced decoding: log P of each reference token given the source and the tokens before it (B, T),
-    0 at padding. The same log-softmax that search ranks with, so the two agree."""
+def forced_logprobs(
+    model: Transformer, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor
+) -> torch.Tensor:
+    """Forced decoding: log P of each reference token given the source and the tokens before it (B,
+    T), 0 at padding. The same log-softmax that search ranks with, so the two agree."""
     logp = F.log_softmax(model(src, tgt_in), dim=-1, dtype=torch.float32)  # (B, T, V)
     return logp.gather(2, tgt_out.unsqueeze(2)).squeeze(2).masked_fill(tgt_out == PAD, 0.0)
 
 
-def score_ids(model: Transformer, src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]],
-              max_tokens: int) -> list[list[float]]:
+def score_ids(
+    model: Transformer,
+    src_ids: Sequence[Sequence[int]],
+    tgt_ids: Sequence[Sequence[int]],
+    max_tokens: int,
+) -> list[list[float]]:
     """Per-token log-probabilities (EOS included) of each target given its source, in input order;
     pairs batched by length like training batches of `max_tokens`."""
     device = next(model.parameters()).device
     corpus = TokenizedCorpus.from_lists(src_ids, tgt_ids)
     out: list[list[float]] = [[] for _ in src_ids]
-    for batch in make_batches(corpus.src_lens, corpus.tgt_lens, max_tokens, seed=0, epoch=0, shuffle=False):
+    for batch in make_batches(
+        corpus.src_lens, corpus.tgt_lens, max_tokens, seed=0, epoch=0, shuffle=False
+    ):
         b = collate(corpus, batch).to(device)
         lengths = (b.tgt_out != PAD).sum(1).tolist()
-        for i, row, n in zip(batch.tolist(), forced_logprobs(model, b.src, b.tgt_in, b.tgt_out).tolist(), lengths):
+        for i, row, n in zip(
+            batch.tolist(), forced_logprobs(model, b.src, b.tgt_in, b.tgt_out).tolist(), lengths
+        ):
             out[i] = row[:n]
     return out

@@ -1,28 +1,30 @@
 """`tmt serve`: a translation server with a web page (Starlette on uvicorn, the [serve] extra).
 
 How the work is bounded and shared:
-- **Priced before it is queued.** Work is counted in *steps*, the unit the search pays: one hypothesis
-  taking one decoding step. A line costs beam x its output budget (A x source pieces + B, capped at
-  model.max_positions) steps, each weighted by 1 + (positions attended) / ATTENTION_UNIT (attention over a
-  long source and prefix); attention and alignment add the n-best's teacher-forced passes, and a /score
-  pair costs its target's length. A model call also pays STEP_OVERHEAD steps for each decoding step it
-  takes, whatever its batch (a step's fixed cost, which dominates a call of one short line). A request
-  over `max_work` steps as one call, or with a line over `batch_work` as a call of its own, is a 413
-  naming the `tmt serve` flag that raises the limit.
-- **Cut into chunks, least-served first.** One worker thread, the only one that runs the model, keeps the jobs
-  it took from the queue. Each model call (a batch) starts with the job that has received the least work so
-  far (the smallest, among equals), and tops it up with the next lines of jobs of the same kind and options,
-  up to `batch_lines` lines and `batch_work` steps (waiting up to `batch_wait` for more to arrive); a call
-  that finishes its first job takes only jobs it finishes too. A long request is so served in chunks that
-  interleave with newer ones: a new one-sentence request waits for the call in progress (at most
-  `batch_work` steps), then rides in a short call with the other new small requests, however much is queued.
-- **Stopped when nobody waits.** A call's search asks between decoding steps whether any of its jobs still
-  has a client within its deadline (`should_stop`), and stops within a step when none has; jobs whose
-  client left or whose deadline passed are dropped before their next chunk.
-- **Survives its own failures.** A failing call is retried request by request, so a bad request fails
-  alone (400 for a user error, 500 otherwise, as does a translator that answers the wrong number of
-  lines); an unexpected error in the worker's own loop fails the batch in hand with 500 and the worker goes
-  on; if its thread dies anyway, /health answers 503 and new requests are refused.
+- **Priced before it is queued.** Work is counted in *steps*, the unit the search pays: one
+  hypothesis taking one decoding step. A line costs beam x its output budget (A x source pieces + B,
+  capped at model.max_positions) steps, each weighted by 1 + (positions attended) / ATTENTION_UNIT
+  (attention over a long source and prefix); attention and alignment add the n-best's teacher-forced
+  passes, and a /score pair costs its target's length. A model call also pays STEP_OVERHEAD steps
+  for each decoding step it takes, whatever its batch (a step's fixed cost, which dominates a call
+  of one short line). A request over `max_work` steps as one call, or with a line over `batch_work`
+  as a call of its own, is a 413 naming the `tmt serve` flag that raises the limit.
+- **Cut into chunks, least-served first.** One worker thread, the only one that runs the model,
+  keeps the jobs it took from the queue. Each model call (a batch) starts with the job that has
+  received the least work so far (the smallest, among equals), and tops it up with the next lines of
+  jobs of the same kind and options, up to `batch_lines` lines and `batch_work` steps (waiting up to
+  `batch_wait` for more to arrive); a call that finishes its first job takes only jobs it finishes
+  too. A long request is so served in chunks that interleave with newer ones: a new one-sentence
+  request waits for the call in progress (at most `batch_work` steps), then rides in a short call
+  with the other new small requests, however much is queued.
+- **Stopped when nobody waits.** A call's search asks between decoding steps whether any of its jobs
+  still has a client within its deadline (`should_stop`), and stops within a step when none has;
+  jobs whose client left or whose deadline passed are dropped before their next chunk.
+- **Survives its own failures.** A failing call is retried request by request, so a bad request
+  fails alone (400 for a user error, 500 otherwise, as does a translator that answers the wrong
+  number of lines); an unexpected error in the worker's own loop fails the batch in hand with 500
+  and the worker goes on; if its thread dies anyway, /health answers 503 and new requests are
+  refused.
 """
 
 from __future__ import annotations
@@ -42,14 +44,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import UserError
 
-if TYPE_CHECKING:  # imported late below: `tmt --help` builds this command's flags without loading torch
+# imported late below: `tmt --help` builds this command's flags without loading torch
+if TYPE_CHECKING:
     from .translate import BaseTranslator, Translation
 
 log = logging.getLogger("transformer_mt")
 PAGE = Path(__file__).parent / "static" / "index.html"
-# Fitted to calls of ~4,096 steps on a model of the recipe's shape (4+4 layers, d_model 128, 8k vocabulary) on one
-# CPU thread: 1 line of 1,000 pieces at beam 1, 1 of 130 or 22 of 16 at beam 5, 113 at beam 1, 1 at beam 64
-# all took 0.16-0.30 ms a step (beam 64 the dearest), where beam x budget alone differed up to 4-fold:
+# Fitted to calls of ~4,096 steps on a model of the recipe's shape (4+4 layers, d_model 128, 8k
+# vocabulary) on one CPU thread: 1 line of 1,000 pieces at beam 1, 1 of 130 or 22 of 16 at beam 5,
+# 113 at beam 1, 1 at beam 64 all took 0.16-0.30 ms a step (beam 64 the dearest), where beam x
+# budget alone differed up to 4-fold:
 ATTENTION_UNIT = 640  # attended positions that cost as much as the rest of a hypothesis's step
 STEP_OVERHEAD = 16  # steps' worth of fixed cost of each decoding step of a call
 MAX_ALPHA, MAX_LEN_A = 5.0, 10.0  # per-request ranges of the length penalty and of the budget's A
@@ -62,19 +66,21 @@ def require_serve_extra() -> None:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise UserError("tmt serve needs starlette and uvicorn: pip install 'transformer-mt[serve]'") from None
+        raise UserError(
+            "tmt serve needs starlette and uvicorn: pip install 'transformer-mt[serve]'"
+        ) from None
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask, and how long the server holds work (the `tmt serve` flags).
 
-    The work defaults are sized for the recipe model (4+4 layers, d_model 128, beam 5) on 2 CPU cores: a call
-    of batch_work steps took 0.8 s on one core of a 2-core Xeon shared with a training run (0.16-0.30 ms a
-    step, whatever the call's shape), a few times less on an idle machine; a one-sentence request waits for
-    the call in progress and a short one of its own, well within the 2 s that scripts/soak_serve.py checks.
-    One call holds a line of up to ~140 pieces at beam 5; max_work lets 64 Multi30k sentences at beam 5
-    (about 10,000 steps) through six times over."""
+    The work defaults are sized for the recipe model (4+4 layers, d_model 128, beam 5) on 2 CPU
+    cores: a call of batch_work steps took 0.8 s on one core of a 2-core Xeon shared with a training
+    run (0.16-0.30 ms a step, whatever the call's shape), a few times less on an idle machine; a
+    one-sentence request waits for the call in progress and a short one of its own, well within the
+    2 s that scripts/soak_serve.py checks. One call holds a line of up to ~140 pieces at beam 5;
+    max_work lets 64 Multi30k sentences at beam 5 (about 10,000 steps) through six times over."""
 
     max_body: int = 1_000_000  # bytes of a request body
     max_lines: int = 64  # lines of one request
@@ -96,11 +102,13 @@ class Refused(Exception):
 
 @dataclass(eq=False)  # compared by identity: a job is one request
 class Job:
-    """One request's work: what to do, what each line costs, how far it got, and where its answer goes."""
+    """One request's work: what to do, what each line costs, how far it got, and where its answer
+    goes."""
 
     kind: str  # "translate" or "score"
     lines: list[str]
-    options: dict[str, Any]  # translate's options (jobs with equal options share a batch), or the targets
+    # translate's options (jobs with equal options share a batch), or the targets
+    options: dict[str, Any]
     deadline: float
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -117,7 +125,11 @@ class Job:
             self.steps = [0] * len(self.lines)
 
     def key(self) -> tuple:
-        return (self.kind, tuple(sorted(self.options.items()))) if self.kind == "translate" else ("score",)
+        return (
+            (self.kind, tuple(sorted(self.options.items())))
+            if self.kind == "translate"
+            else ("score",)
+        )
 
     def dead(self) -> bool:
         """Nobody waits for this any more: the client left or the deadline passed."""
@@ -147,16 +159,32 @@ class WrongCount(Exception):
 
 @dataclass
 class Batcher:
-    """The bounded queue and the one worker thread that runs the model (the scheduling: module docstring)."""
+    """The bounded queue and the one worker thread that runs the model (the scheduling: module
+    docstring)."""
 
     translator: BaseTranslator
     limits: Limits
     jobs: "queue.Queue[Job | None]" = field(default_factory=queue.Queue)
-    stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("served", "dropped", "failed", "batches", "pending", "left", "receiving", "worker_errors"), 0))
+    stats: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            (
+                "served",
+                "dropped",
+                "failed",
+                "batches",
+                "pending",
+                "left",
+                "receiving",
+                "worker_errors",
+            ),
+            0,
+        )
+    )
     lock: threading.Lock = field(default_factory=threading.Lock)
-    active: list[Job] = field(default_factory=list)  # taken from the queue, not finished (worker thread only)
-    running: list[Job] = field(default_factory=list)  # the jobs of the batch in hand (worker thread only)
+    # taken from the queue, not finished (worker thread only)
+    active: list[Job] = field(default_factory=list)
+    # the jobs of the batch in hand (worker thread only)
+    running: list[Job] = field(default_factory=list)
     stopping: bool = False
     thread: threading.Thread | None = None
     death_reported: bool = False
@@ -182,25 +210,36 @@ class Batcher:
             self.stats[key] += n
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """(HTTP status, body) of /health: 503 once the worker thread has died (logged the first time)."""
+        """(HTTP status, body) of /health: 503 once the worker thread has died (logged the first
+        time)."""
         if self.alive():
             return 200, {"status": "ok", "worker": "alive", **self.snapshot()}
         if not self.death_reported:
             self.death_reported = True
-            log.error("the model's worker thread is not running: /health answers 503; restart tmt serve")
-        return 503, {"status": "the model's worker is not running", "worker": "dead", **self.snapshot()}
+            log.error(
+                "the model's worker thread is not running: /health answers 503; restart tmt serve"
+            )
+        return 503, {
+            "status": "the model's worker is not running",
+            "worker": "dead",
+            **self.snapshot(),
+        }
 
     def submit(self, job: Job) -> None:
         if not self.alive():
             raise Refused(503, "the model's worker is not running: the server needs a restart")
         with self.lock:
             if self.stats["pending"] >= self.limits.max_queue:
-                raise Refused(503, f"the queue is full ({self.limits.max_queue} requests): try again shortly",
-                              {"Retry-After": "1"})
+                raise Refused(
+                    503,
+                    f"the queue is full ({self.limits.max_queue} requests): try again shortly",
+                    {"Retry-After": "1"},
+                )
             self.stats["pending"] += 1
         self.jobs.put(job)
 
-    # ----------------------------------------------------------------------------- the worker thread
+    # ----------------------------------------------------------------------------- the worker
+    # thread
 
     def _work(self) -> None:
         while True:
@@ -208,11 +247,16 @@ class Batcher:
                 if not self._step():
                     return
             except Exception:  # noqa: BLE001  our own bug: fail what was in hand, keep serving the rest
-                log.exception("the model's worker hit an unexpected error; the requests of that batch get 500")
+                log.exception(
+                    "the model's worker hit an unexpected error; the requests of that batch get 500"
+                )
                 self.count("worker_errors")
                 self._fail(self.running or list(self.active))
-            except BaseException:  # the thread dies: nobody may wait for an answer that will not come
-                log.critical("the model's worker thread died; /health now answers 503", exc_info=True)
+            # the thread dies: nobody may wait for an answer that will not come
+            except BaseException:
+                log.critical(
+                    "the model's worker thread died; /health now answers 503", exc_info=True
+                )
                 self._take(block=False)
                 self._fail(list(self.active))
                 raise
@@ -220,11 +264,13 @@ class Batcher:
                 self.running = []
 
     def _step(self) -> bool:
-        """Take what is queued, drop what nobody waits for, run one batch; False once stopped and idle."""
+        """Take what is queued, drop what nobody waits for, run one batch; False once stopped and
+        idle."""
         self._take(block=not self.active and not self.stopping)
         for job in [j for j in self.active if j.dead()]:
             self._remove(job, "dropped")
-        for job in [j for j in self.active if len(j.results) == len(j.lines)]:  # no lines: nothing to run
+        # no lines: nothing to run
+        for job in [j for j in self.active if len(j.results) == len(j.lines)]:
             job.finish(job.results)
             self._remove(job, "served")
         if not self.active:
@@ -233,7 +279,8 @@ class Batcher:
         return True
 
     def _take(self, block: bool) -> None:
-        """Move the queued jobs to `active` (waiting for one when `block`); the stop mark sets `stopping`."""
+        """Move the queued jobs to `active` (waiting for one when `block`); the stop mark sets
+        `stopping`."""
         while True:
             try:
                 job = self.jobs.get(block=block)
@@ -246,11 +293,13 @@ class Batcher:
                 self.active.append(job)
 
     def _gather(self) -> list[Slice]:
-        """The next batch: the next lines of the least-served job (of the smallest, among equals), topped up with
-        the next lines of jobs of the same kind and options, within batch_lines lines and batch_work steps
-        (waiting batch_wait for more). A batch that finishes its first job takes only jobs it finishes too, so
-        a short request never waits for a chunk of a long one in its own call."""
-        self.active.sort(key=lambda j: (j.served, sum(j.work[len(j.results):])))  # stable: then arrival order
+        """The next batch: the next lines of the least-served job (of the smallest, among equals),
+        topped up with the next lines of jobs of the same kind and options, within batch_lines lines
+        and batch_work steps (waiting batch_wait for more). A batch that finishes its first job
+        takes only jobs it finishes too, so a short request never waits for a chunk of a long one in
+        its own call."""
+        # stable: then arrival order
+        self.active.sort(key=lambda j: (j.served, sum(j.work[len(j.results) :])))
         key, limits = self.active[0].key(), self.limits
         batch: list[Slice] = []
         lines = work = steps = 0
@@ -262,14 +311,24 @@ class Batcher:
                     continue
                 start = end = len(job.results)
                 n, w, t = lines, work, steps
-                while end < len(job.lines) and n < limits.batch_lines and (
+                while (
+                    end < len(job.lines)
+                    and n < limits.batch_lines
+                    and (
                         call_work(w + job.work[end], max(t, job.steps[end])) <= limits.batch_work
-                        or not batch and end == start):
+                        or not batch
+                        and end == start
+                    )
+                ):
                     n, w, t, end = n + 1, w + job.work[end], max(t, job.steps[end]), end + 1
                 if end > start and (end == len(job.lines) or not batch or not whole):
                     batch.append((job, start, end))
                     lines, work, steps, whole = n, w, t, whole and end == len(job.lines)
-            if lines >= limits.batch_lines or call_work(work, steps) >= limits.batch_work or self.stopping:
+            if (
+                lines >= limits.batch_lines
+                or call_work(work, steps) >= limits.batch_work
+                or self.stopping
+            ):
                 return batch
             try:
                 job = self.jobs.get(timeout=max(stop_at - time.monotonic(), 0))
@@ -291,7 +350,8 @@ class Batcher:
         try:
             results = self._call(batch)
         except Exception as e:  # noqa: BLE001  a bad request fails itself, not the others or the server
-            if all(j.dead() for j, _, _ in batch):  # stopped between steps (search.Cancelled): nobody waits
+            # stopped between steps (search.Cancelled): nobody waits
+            if all(j.dead() for j, _, _ in batch):
                 for j, _, _ in batch:
                     self._remove(j, "dropped")
             elif len(batch) > 1:  # find the culprit: each request alone
@@ -299,15 +359,20 @@ class Batcher:
                     self._run([s])
             else:
                 if not isinstance(e, UserError):
-                    log.error("a request of %d lines failed: %s", len(batch[0][0].lines), e,
-                              exc_info=not isinstance(e, WrongCount))
+                    log.error(
+                        "a request of %d lines failed: %s",
+                        len(batch[0][0].lines),
+                        e,
+                        exc_info=not isinstance(e, WrongCount),
+                    )
                 self._fail([batch[0][0]], e)
             return
         self.count("batches")
         at = 0
         for job, start, end in batch:
-            answers, at = results[at:at + end - start], at + end - start
-            if job.dead():  # its client left (or its deadline passed) while the others kept the search going
+            answers, at = results[at : at + end - start], at + end - start
+            # its client left (or its deadline passed) while the others kept the search going
+            if job.dead():
                 self._remove(job, "dropped")
                 continue
             job.results.extend(answers)
@@ -317,28 +382,37 @@ class Batcher:
                 self._remove(job, "served")
 
     def _call(self, batch: list[Slice]) -> list:
-        """One model call over the batch's lines; it stops between decoding steps once all its jobs are dead."""
+        """One model call over the batch's lines; it stops between decoding steps once all its jobs
+        are dead."""
         jobs = [j for j, _, _ in batch]
         lines = [line for j, start, end in batch for line in j.lines[start:end]]
         if jobs[0].kind == "translate":
-            results = self.translator.translate(lines, **jobs[0].options,
-                                                should_stop=lambda: all(j.dead() for j in jobs))
+            results = self.translator.translate(
+                lines, **jobs[0].options, should_stop=lambda: all(j.dead() for j in jobs)
+            )
         else:
             targets = [t for j, start, end in batch for t in j.options["targets"][start:end]]
             results = self.translator.score(lines, targets)
         if len(results) != len(lines):
-            raise WrongCount(f"the translator answered {len(results)} results for {len(lines)} lines")
+            raise WrongCount(
+                f"the translator answered {len(results)} results for {len(lines)} lines"
+            )
         return results
 
     def _fail(self, jobs: Sequence[Job], error: BaseException | None = None) -> None:
-        """Answer each job not answered yet with its error: a user error as it is (400), anything else 500."""
+        """Answer each job not answered yet with its error: a user error as it is (400), anything
+        else 500."""
         for job in [j for j in dict.fromkeys(jobs) if j in self.active]:
-            job.finish(error=error if isinstance(error, UserError) else
-                       Refused(500, "the server failed on this request; its log says why"))
+            job.finish(
+                error=error
+                if isinstance(error, UserError)
+                else Refused(500, "the server failed on this request; its log says why")
+            )
             self._remove(job, "failed")
 
     def _remove(self, job: Job, outcome: str) -> None:
-        """Take a job off the worker's list and count how it ended (once: a job not on the list is done)."""
+        """Take a job off the worker's list and count how it ended (once: a job not on the list is
+        done)."""
         if job not in self.active:
             return
         self.active.remove(job)
@@ -351,10 +425,12 @@ class Batcher:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object; Refused(400) for anything else (NaN, Infinity, numbers out of
-    range, integers of hundreds of digits, nesting too deep for the parser)."""
+    """A request body as a JSON object; Refused(400) for anything else (NaN, Infinity, numbers out
+    of range, integers of hundreds of digits, nesting too deep for the parser)."""
     try:
-        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite, parse_int=_short_int)
+        body = json.loads(
+            raw, parse_constant=_no_constant, parse_float=_finite, parse_int=_short_int
+        )
     except RecursionError:
         raise Refused(400, "the body is not valid JSON: nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError and ours are ValueErrors
@@ -386,11 +462,15 @@ def check_keys(body: dict[str, Any], allowed: Sequence[str], endpoint: str) -> N
     for key in body:
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else f" (valid keys: {', '.join(allowed)})"
+            hint = (
+                f" (did you mean {close[0]}?)" if close else f" (valid keys: {', '.join(allowed)})"
+            )
             raise Refused(400, f"{key} is not a key of a {endpoint} body{hint}")
 
 
-def parse_translate(body: dict[str, Any], limits: Limits, translator: Any) -> tuple[list[str], dict[str, Any]]:
+def parse_translate(
+    body: dict[str, Any], limits: Limits, translator: Any
+) -> tuple[list[str], dict[str, Any]]:
     """The lines and translate() options of a /translate body; Refused(400/413) when they are wrong.
     Omitted options take the server's decode settings, so equal requests share batches."""
     check_keys(body, TRANSLATE_KEYS, "/translate")
@@ -401,17 +481,31 @@ def parse_translate(body: dict[str, Any], limits: Limits, translator: Any) -> tu
     alpha = _number(body, "alpha", decode.alpha, 0.0, max(MAX_ALPHA, decode.alpha))
     max_len = body.get("max_len", [decode.max_len_a, decode.max_len_b])
     top = translator.max_positions
-    if not (isinstance(max_len, list) and len(max_len) == 2 and all(_is_number(x) for x in max_len)
-            and 0 <= max_len[0] <= MAX_LEN_A and max_len[1] == int(max_len[1]) and 1 <= max_len[1] <= top):
-        raise Refused(400, f"max_len must be [A, B]: output at most A x source length + B tokens, A from 0 to "
-                           f"{MAX_LEN_A:g}, B a whole number from 1 to {top}; got {max_len!r}")
+    if not (
+        isinstance(max_len, list)
+        and len(max_len) == 2
+        and all(_is_number(x) for x in max_len)
+        and 0 <= max_len[0] <= MAX_LEN_A
+        and max_len[1] == int(max_len[1])
+        and 1 <= max_len[1] <= top
+    ):
+        raise Refused(
+            400,
+            f"max_len must be [A, B]: output at most A x source length + B tokens, A from 0 to "
+            f"{MAX_LEN_A:g}, B a whole number from 1 to {top}; got {max_len!r}",
+        )
     flags = {}
     for key in ("alignment", "attention"):
         flags[key] = body.get(key, False)
         if not isinstance(flags[key], bool):
             raise Refused(400, f"{key} must be true or false, got {flags[key]!r}")
-    return text, {"beam": beam, "nbest": nbest, "alpha": float(alpha),
-                  "max_len": (float(max_len[0]), int(max_len[1])), **flags}
+    return text, {
+        "beam": beam,
+        "nbest": nbest,
+        "alpha": float(alpha),
+        "max_len": (float(max_len[0]), int(max_len[1])),
+        **flags,
+    }
 
 
 def parse_score(body: dict[str, Any], limits: Limits) -> tuple[list[str], list[str]]:
@@ -424,51 +518,71 @@ def parse_score(body: dict[str, Any], limits: Limits) -> tuple[list[str], list[s
 
 
 def line_work(source: int, rows: int, steps: int) -> int:
-    """Steps of `rows` hypotheses over `steps` decoding steps for a source of `source` pieces (EOS included),
-    each weighted by the positions it attends to (the source and, on average, half the output so far)."""
+    """Steps of `rows` hypotheses over `steps` decoding steps for a source of `source` pieces (EOS
+    included), each weighted by the positions it attends to (the source and, on average, half the
+    output so far)."""
     return math.ceil(rows * steps * (1 + (source + steps / 2) / ATTENTION_UNIT))
 
 
 def call_work(work: int, steps: int) -> int:
-    """Steps of a model call over lines of `work` steps in all, the longest taking `steps` decoding steps."""
+    """Steps of a model call over lines of `work` steps in all, the longest taking `steps` decoding
+    steps."""
     return work + STEP_OVERHEAD * steps
 
 
-def translate_work(translator: Any, lines: list[str], options: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(steps, decoding steps) of each line: beam x its output budget (search.max_output_len's, of the source
-    as translate cuts it), plus the n-best's teacher-forced passes when attention or alignment is asked for."""
+def translate_work(
+    translator: Any, lines: list[str], options: dict[str, Any]
+) -> tuple[list[int], list[int]]:
+    """(steps, decoding steps) of each line: beam x its output budget (search.max_output_len's, of
+    the source as translate cuts it), plus the n-best's teacher-forced passes when attention or
+    alignment is asked for."""
     a, b = options["max_len"]
     top = translator.max_positions
-    rows = options["beam"] + (options["nbest"] if options["attention"] or options["alignment"] else 0)
+    rows = options["beam"] + (
+        options["nbest"] if options["attention"] or options["alignment"] else 0
+    )
     work, steps = [], []
     for ids in translator.tokenizer.encode_src([line.strip() for line in lines]):
         source = min(len(ids), top - 1) + 1
-        budget = max(1, min(math.floor(source * a + b), top)) if ids else 0  # an empty line is not searched
+        # an empty line is not searched
+        budget = max(1, min(math.floor(source * a + b), top)) if ids else 0
         work.append(line_work(source, rows, budget))
         steps.append(budget)
     return work, steps
 
 
-def score_work(translator: Any, sources: list[str], targets: list[str]) -> tuple[list[int], list[int]]:
-    """(steps, 0) of scoring each pair: one hypothesis over its target, in one pass (no decoding steps)."""
+def score_work(
+    translator: Any, sources: list[str], targets: list[str]
+) -> tuple[list[int], list[int]]:
+    """(steps, 0) of scoring each pair: one hypothesis over its target, in one pass (no decoding
+    steps)."""
     top = translator.max_positions
     src = translator.tokenizer.encode_src([s.strip() for s in sources])
     tgt = translator.tokenizer.encode_tgt([t.strip() for t in targets])
-    return [line_work(min(len(s), top - 1) + 1, 1, min(len(t) + 1, top)) for s, t in zip(src, tgt)], [0] * len(src)
+    return [
+        line_work(min(len(s), top - 1) + 1, 1, min(len(t) + 1, top)) for s, t in zip(src, tgt)
+    ], [0] * len(src)
 
 
 def check_work(work: list[int], steps: list[int], limits: Limits) -> None:
-    """Refuse (413) a request over max_work steps, or with a line over batch_work (a line is never split)."""
+    """Refuse (413) a request over max_work steps, or with a line over batch_work (a line is never
+    split)."""
     alone = [call_work(w, s) for w, s in zip(work, steps)]
     if alone and max(alone) > limits.batch_work:
         i = alone.index(max(alone))
-        raise Refused(413, f"line {i + 1} alone needs {alone[i]:,} decoding steps; at most {limits.batch_work:,} "
-                           "per line (tmt serve --batch-work): shorten it, or ask a smaller beam or max_len")
+        raise Refused(
+            413,
+            f"line {i + 1} alone needs {alone[i]:,} decoding steps; at most {limits.batch_work:,} "
+            "per line (tmt serve --batch-work): shorten it, or ask a smaller beam or max_len",
+        )
     total = call_work(sum(work), max(steps, default=0))
     if total > limits.max_work:
-        raise Refused(413, f"this request needs {total:,} decoding steps (beam x output budget of each line); "
-                           f"at most {limits.max_work:,} per request (tmt serve --max-work): send fewer lines, or "
-                           "ask a smaller beam or max_len")
+        raise Refused(
+            413,
+            f"this request needs {total:,} decoding steps (beam x output budget of each line); "
+            f"at most {limits.max_work:,} per request (tmt serve --max-work): send fewer lines, or "
+            "ask a smaller beam or max_len",
+        )
 
 
 def _text_list(body: dict[str, Any], key: str, limits: Limits) -> list[str]:
@@ -478,14 +592,21 @@ def _text_list(body: dict[str, Any], key: str, limits: Limits) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
         raise Refused(400, f"{key} must be a string or a list of strings")
     if len(value) > limits.max_lines:
-        raise Refused(413, f"{key} has {len(value)} lines; at most {limits.max_lines} per request "
-                           "(tmt serve --max-lines)")
+        raise Refused(
+            413,
+            f"{key} has {len(value)} lines; at most {limits.max_lines} per request "
+            "(tmt serve --max-lines)",
+        )
     for i, x in enumerate(value):
         try:
             x.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate ("\ud800"), which JSON allows and UTF-8 does not
-            raise Refused(400, f"{key} line {i + 1} is not valid Unicode (a lone surrogate)") from None
-    return [" ".join(x.split()) for x in value]  # one line each: newlines inside a string become spaces
+        # a lone surrogate ("\ud800"), which JSON allows and UTF-8 does not
+        except UnicodeEncodeError:
+            raise Refused(
+                400, f"{key} line {i + 1} is not valid Unicode (a lone surrogate)"
+            ) from None
+    # one line each: newlines inside a string become spaces
+    return [" ".join(x.split()) for x in value]
 
 
 def _integer(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
@@ -506,7 +627,9 @@ def _number(body: dict[str, Any], key: str, default: float, low: float, high: fl
     return value
 
 
-def translation_json(source: str, hyps: list[Translation], attention: bool, alignment: bool) -> dict[str, Any]:
+def translation_json(
+    source: str, hyps: list[Translation], attention: bool, alignment: bool
+) -> dict[str, Any]:
     import torch
 
     from .translate import word_attention, words_of
@@ -516,14 +639,18 @@ def translation_json(source: str, hyps: list[Translation], attention: bool, alig
         item = h.to_json(alignment)
         if attention and h.attention is not None and h.pieces:
             weights = word_attention(torch.tensor(h.attention), h.source_pieces, h.pieces)
-            item["attention"] = {"source": words_of(h.source_pieces), "target": words_of(h.pieces),
-                                 "weights": [[round(w, 4) for w in row] for row in weights.tolist()]}
+            item["attention"] = {
+                "source": words_of(h.source_pieces),
+                "target": words_of(h.pieces),
+                "weights": [[round(w, 4) for w in row] for row in weights.tolist()],
+            }
         out.append(item)
     return {"source": source, "hypotheses": out}
 
 
 def checkpoint_name(path: Path | None) -> str | None:
-    """RUN/FILE: which model this is, without the server's directories (…/RUN/checkpoints/FILE or …/RUN/FILE)."""
+    """RUN/FILE: which model this is, without the server's directories (…/RUN/checkpoints/FILE or
+    …/RUN/FILE)."""
     if path is None:
         return None
     path = Path(path)
@@ -534,14 +661,26 @@ def checkpoint_name(path: Path | None) -> str | None:
 def model_info(translator: BaseTranslator, limits: Limits = Limits()) -> dict[str, Any]:
     cfg = translator.config
     name = checkpoint_name(translator.checkpoint)
-    return {"checkpoint": name, "run": name.split("/")[0] if name else None, "step": translator.step,
-            "source_language": cfg.data.src_lang, "target_language": cfg.data.tgt_lang,
-            "model": cfg.to_dict()["model"], "parameters": translator.parameters, "engine": translator.engine,
-            "tokenizer": {"digest": translator.tokenizer.digest, "joint": translator.tokenizer.joint,
-                          "source_vocabulary": translator.tokenizer.src_vocab_size,
-                          "target_vocabulary": translator.tokenizer.tgt_vocab_size},
-            "decode": dataclasses.asdict(translator.decode), "precision": translator.precision,
-            "device": str(translator.device), "limits": dataclasses.asdict(limits)}
+    return {
+        "checkpoint": name,
+        "run": name.split("/")[0] if name else None,
+        "step": translator.step,
+        "source_language": cfg.data.src_lang,
+        "target_language": cfg.data.tgt_lang,
+        "model": cfg.to_dict()["model"],
+        "parameters": translator.parameters,
+        "engine": translator.engine,
+        "tokenizer": {
+            "digest": translator.tokenizer.digest,
+            "joint": translator.tokenizer.joint,
+            "source_vocabulary": translator.tokenizer.src_vocab_size,
+            "target_vocabulary": translator.tokenizer.tgt_vocab_size,
+        },
+        "decode": dataclasses.asdict(translator.decode),
+        "precision": translator.precision,
+        "device": str(translator.device),
+        "limits": dataclasses.asdict(limits),
+    }
 
 
 # --------------------------------------------------------------------------- the application
@@ -557,7 +696,9 @@ async def answer(request: Any, batcher: Batcher, job: Job) -> list:
     """Queue the job and wait for it, watching its deadline, its client and the worker."""
     batcher.submit(job)
     while not job.future.done():
-        await asyncio.wait([job.future], timeout=min(0.05, max(job.deadline - time.monotonic(), 0.001)))
+        await asyncio.wait(
+            [job.future], timeout=min(0.05, max(job.deadline - time.monotonic(), 0.001))
+        )
         if job.future.done():
             break
         if await request.is_disconnected():
@@ -573,20 +714,24 @@ async def answer(request: Any, batcher: Batcher, job: Job) -> list:
 
 
 async def read_json(request: Any, limits: Limits, batcher: Batcher) -> dict[str, Any]:
-    """The request's JSON object, read up to limits.max_body bytes; a client that leaves meanwhile is one
-    log line (499, which nobody reads)."""
+    """The request's JSON object, read up to limits.max_body bytes; a client that leaves meanwhile
+    is one log line (499, which nobody reads)."""
     from starlette.requests import ClientDisconnect
 
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limits.max_body:
-        raise Refused(413, f"the body has {size} bytes; at most {limits.max_body} (tmt serve --max-body)")
+        raise Refused(
+            413, f"the body has {size} bytes; at most {limits.max_body} (tmt serve --max-body)"
+        )
     raw = bytearray()
     batcher.count("receiving")
     try:
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > limits.max_body:
-                raise Refused(413, f"the body is over {limits.max_body} bytes (tmt serve --max-body)")
+                raise Refused(
+                    413, f"the body is over {limits.max_body} bytes (tmt serve --max-body)"
+                )
     except ClientDisconnect:
         log.info("a client left while sending its request to %s", request.url.path)
         batcher.count("left")
@@ -609,13 +754,22 @@ def create_app(translator: BaseTranslator, limits: Limits = Limits()) -> Any:
     batcher = Batcher(translator, limits)
 
     async def translate(request: Request) -> Response:
-        text, options = parse_translate(await read_json(request, limits, batcher), limits, translator)
-        work, steps = await run_in_threadpool(translate_work, translator, text, options)  # tokenizes: off the loop
+        text, options = parse_translate(
+            await read_json(request, limits, batcher), limits, translator
+        )
+        # tokenizes: off the loop
+        work, steps = await run_in_threadpool(translate_work, translator, text, options)
         check_work(work, steps, limits)
         job = Job("translate", text, options, *_due(limits), work=work, steps=steps)
         results = await answer(request, batcher, job)
-        return JSONResponse({"translations": [translation_json(s, h, options["attention"], options["alignment"])
-                                              for s, h in zip(text, results)]})
+        return JSONResponse(
+            {
+                "translations": [
+                    translation_json(s, h, options["attention"], options["alignment"])
+                    for s, h in zip(text, results)
+                ]
+            }
+        )
 
     async def score(request: Request) -> Response:
         sources, targets = parse_score(await read_json(request, limits, batcher), limits)
@@ -624,8 +778,12 @@ def create_app(translator: BaseTranslator, limits: Limits = Limits()) -> Any:
         job = Job("score", sources, {"targets": targets}, *_due(limits), work=work, steps=steps)
         scored = await answer(request, batcher, job)
         tokens = sum(len(s.token_logprobs) for s in scored)
-        return JSONResponse({"scores": [s.to_json() for s in scored],
-                             "perplexity": math.exp(-sum(s.logprob for s in scored) / max(tokens, 1))})
+        return JSONResponse(
+            {
+                "scores": [s.to_json() for s in scored],
+                "perplexity": math.exp(-sum(s.logprob for s in scored) / max(tokens, 1)),
+            }
+        )
 
     async def health(request: Request) -> Response:
         status, body = batcher.health()
@@ -634,7 +792,8 @@ def create_app(translator: BaseTranslator, limits: Limits = Limits()) -> Any:
     async def refused(request: Request, exc: Refused) -> Response:
         return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers)
 
-    async def bad_input(request: Request, exc: UserError) -> Response:  # e.g. a target too long to score
+    # e.g. a target too long to score
+    async def bad_input(request: Request, exc: UserError) -> Response:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
     @contextlib.asynccontextmanager
@@ -644,38 +803,70 @@ def create_app(translator: BaseTranslator, limits: Limits = Limits()) -> Any:
         batcher.stop()
 
     info = model_info(translator, limits)
-    routes = [Route("/", lambda r: HTMLResponse(PAGE.read_text(encoding="utf-8"))),
-              Route("/health", health), Route("/info", lambda r: JSONResponse(info)),
-              Route("/translate", translate, methods=["POST"]), Route("/score", score, methods=["POST"])]
-    app = Starlette(routes=routes, exception_handlers={Refused: refused, UserError: bad_input}, lifespan=lifespan)
+    routes = [
+        Route("/", lambda r: HTMLResponse(PAGE.read_text(encoding="utf-8"))),
+        Route("/health", health),
+        Route("/info", lambda r: JSONResponse(info)),
+        Route("/translate", translate, methods=["POST"]),
+        Route("/score", score, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={Refused: refused, UserError: bad_input},
+        lifespan=lifespan,
+    )
     app.state.batcher = batcher  # for tests and tools that look inside
     return app
 
 
 def model_threads(threads: int | None = None) -> int:
-    """Set the model's CPU threads (call before loading it): `threads`, else one less than the cores this process
-    may use, so that the event loop (HTTP, JSON, tokenizing) keeps a core and the model's threads never wait for
-    it (on 2 cores, two model threads beside a busy event loop doubled the p95 latency: scripts/soak_serve.py);
-    an OMP_NUM_THREADS in the environment is left as it is."""
+    """Set the model's CPU threads (call before loading it): `threads`, else one less than the cores
+    this process may use, so that the event loop (HTTP, JSON, tokenizing) keeps a core and the
+    model's threads never wait for it (on 2 cores, two model threads beside a busy event loop
+    doubled the p95 latency: scripts/soak_serve.py); an OMP_NUM_THREADS in the environment is left
+    as it is."""
     import os
 
     import torch
 
     if threads is None and "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     torch.set_num_threads(threads or max(1, cores - 1))
     return torch.get_num_threads()
 
 
-def serve(translator: BaseTranslator, *, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits()) -> None:
-    """Run until SIGINT/SIGTERM: uvicorn then stops accepting, finishes what is in flight, and returns."""
+def serve(
+    translator: BaseTranslator,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    limits: Limits = Limits(),
+) -> None:
+    """Run until SIGINT/SIGTERM: uvicorn then stops accepting, finishes what is in flight, and
+    returns."""
+    import torch
     import uvicorn
 
-    import torch
-
-    log.info("serving %s on http://%s:%d/ (model in one worker thread on %d CPU threads; queue %d, deadline %g s, "
-             "%d steps a request, %d a call)", translator.checkpoint, host, port, torch.get_num_threads(),
-             limits.max_queue, limits.deadline, limits.max_work, limits.batch_work)
-    uvicorn.run(create_app(translator, limits), host=host, port=port, log_level="warning",
-                timeout_graceful_shutdown=int(limits.deadline) + 5)
+    log.info(
+        "serving %s on http://%s:%d/ (model in one worker thread on %d CPU threads; queue %d, "
+        "deadline %g s, "
+        "%d steps a request, %d a call)",
+        translator.checkpoint,
+        host,
+        port,
+        torch.get_num_threads(),
+        limits.max_queue,
+        limits.deadline,
+        limits.max_work,
+        limits.batch_work,
+    )
+    uvicorn.run(
+        create_app(translator, limits),
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=int(limits.deadline) + 5,
+    )

@@ -1,6 +1,7 @@
 """SentencePiece subword models: trained once on the training split, saved in the run directory.
 
-Special ids are fixed for every model (vocab.py) so that the rest of the code can name them as constants.
+Special ids are fixed for every model (vocab.py) so that the rest of the code can name them as
+constants.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .config import TokenizerConfig
 from .errors import UserError
 from .fileio import atomic_write
 from .vocab import BOS, EOS, PAD, UNK
+
 _THREADS = max(1, os.cpu_count() or 1)  # SentencePiece encodes batches in parallel C++ threads
 
 
@@ -29,7 +31,9 @@ class Tokenizer:
         self.tgt_bytes = tgt_model if tgt_model is not None else src_model
         self.joint = tgt_model is None
         self.src = spm.SentencePieceProcessor(model_proto=self.src_bytes)
-        self.tgt = self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_bytes)
+        self.tgt = (
+            self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_bytes)
+        )
 
     @property
     def src_vocab_size(self) -> int:
@@ -40,12 +44,14 @@ class Tokenizer:
         return self.tgt.get_piece_size()
 
     def sizes(self) -> tuple[int, int, bool]:
-        """(source vocabulary size, target vocabulary size, joint): what a Transformer is built from."""
+        """(source vocabulary size, target vocabulary size, joint): what a Transformer is built
+        from."""
         return self.src_vocab_size, self.tgt_vocab_size, self.joint
 
     @property
     def digest(self) -> str:
-        """A short hash of the model files: checkpoints and caches record which tokenizer they used."""
+        """A short hash of the model files: checkpoints and caches record which tokenizer they
+        used."""
         h = hashlib.sha256(self.src_bytes)
         if not self.joint:
             h.update(self.tgt_bytes)
@@ -58,7 +64,8 @@ class Tokenizer:
         return self.tgt.encode(list(lines), num_threads=_THREADS)
 
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        return self.tgt.decode([list(x) for x in ids]) if len(ids) else []  # SentencePiece gives "" for []
+        # SentencePiece gives "" for []
+        return self.tgt.decode([list(x) for x in ids]) if len(ids) else []
 
     def save(self, run_dir: str | os.PathLike) -> None:
         """Write spm.model (joint) or spm.src.model + spm.tgt.model, each atomically."""
@@ -77,14 +84,22 @@ class Tokenizer:
         src, tgt = run_dir / "spm.src.model", run_dir / "spm.tgt.model"
         if src.exists() and tgt.exists():
             return cls(src.read_bytes(), tgt.read_bytes())
-        if src.exists() or tgt.exists():  # one half of a separate vocabulary: e.g. a copy that missed a file
+        # one half of a separate vocabulary: e.g. a copy that missed a file
+        if src.exists() or tgt.exists():
             missing, present = (tgt, src.name) if src.exists() else (src, tgt.name)
-            raise UserError(f"SentencePiece model not found: {missing} (a separate vocabulary needs spm.src.model "
-                            f"and spm.tgt.model; {present} is there): copy it back from the run it came from, or "
-                            f"remove {present} as well (translate then uses the models stored in the checkpoint, "
-                            "train trains new ones)")
-        raise UserError(f"no SentencePiece model in {run_dir}: it needs spm.model, or spm.src.model and "
-                        "spm.tgt.model (a separate vocabulary)")
+            raise UserError(
+                f"SentencePiece model not found: {missing} (a separate vocabulary needs "
+                "spm.src.model "
+                f"and spm.tgt.model; {present} is there): copy it back from the run it came from, "
+                "or "
+                f"remove {present} as well (translate then uses the models stored in the "
+                "checkpoint, "
+                "train trains new ones)"
+            )
+        raise UserError(
+            f"no SentencePiece model in {run_dir}: it needs spm.model, or spm.src.model and "
+            "spm.tgt.model (a separate vocabulary)"
+        )
 
     @staticmethod
     def exists(run_dir: str | os.PathLike) -> bool:
@@ -92,8 +107,9 @@ class Tokenizer:
         return (run_dir / "spm.model").exists() or (run_dir / "spm.src.model").exists()
 
 
-def train_tokenizer(cfg: TokenizerConfig, src_lines: Iterable[str], tgt_lines: Iterable[str],
-                    seed: int = 1) -> Tokenizer:
+def train_tokenizer(
+    cfg: TokenizerConfig, src_lines: Iterable[str], tgt_lines: Iterable[str], seed: int = 1
+) -> Tokenizer:
     """Train SentencePiece on the training split: one joint model, or one per language.
 
     The lines may be streamed: SentencePiece keeps a random sample of at most
@@ -123,19 +139,26 @@ def _train_one(cfg: TokenizerConfig, lines: Iterable[str], seed: int) -> bytes:
             model_type=cfg.type,
             vocab_size=cfg.vocab_size,
             hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary instead of an error
-            character_coverage=cfg.character_coverage if cfg.character_coverage is not None else 1.0,
+            character_coverage=cfg.character_coverage
+            if cfg.character_coverage is not None
+            else 1.0,
             byte_fallback=cfg.byte_fallback,
             input_sentence_size=cfg.max_sentences,
             shuffle_input_sentence=True,
-            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+            pad_id=PAD,
+            unk_id=UNK,
+            bos_id=BOS,
+            eos_id=EOS,
             num_threads=max(1, os.cpu_count() or 1),
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. a vocabulary smaller than the corpus's character set
         if failed:
             raise failed[0] from None
-        raise UserError(f"config error: tokenizer.vocab_size={cfg.vocab_size} does not fit this corpus: "
-                        f"SentencePiece says: {str(e).strip().splitlines()[-1]}") from None
+        raise UserError(
+            f"config error: tokenizer.vocab_size={cfg.vocab_size} does not fit this corpus: "
+            f"SentencePiece says: {str(e).strip().splitlines()[-1]}"
+        ) from None
     if failed:
         raise failed[0]
     return buf.getvalue()

@@ -25,19 +25,59 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpoint import (CheckpointError, average_checkpoints, copy_checkpoint, load_training_checkpoint,
-                         restore_training, save_checkpoint, save_rotating, step_checkpoints, step_of,
-                         training_checkpoint, validation_score)
+from .checkpoint import (
+    CheckpointError,
+    average_checkpoints,
+    copy_checkpoint,
+    load_training_checkpoint,
+    restore_training,
+    save_checkpoint,
+    save_rotating,
+    step_checkpoints,
+    step_of,
+    training_checkpoint,
+    validation_score,
+)
 from .config import Config, DecodeConfig, TrainConfig, save_config
-from .data import (Batch, DataError, TokenizedCorpus, cache_dir, collate, iter_split, load_tokenized, make_batches,
-                   read_split, usable_indices)
-from .distributed import (Dist, agree, agree_min, gathered_rng, global_sum, init_distributed, leave_distributed,
-                          rank_device, rank_zero_first, restore_rng, seed_everything)
+from .data import (
+    Batch,
+    DataError,
+    TokenizedCorpus,
+    cache_dir,
+    collate,
+    iter_split,
+    load_tokenized,
+    make_batches,
+    read_split,
+    usable_indices,
+)
+from .distributed import (
+    Dist,
+    agree,
+    agree_min,
+    gathered_rng,
+    global_sum,
+    init_distributed,
+    leave_distributed,
+    rank_device,
+    rank_zero_first,
+    restore_rng,
+    seed_everything,
+)
 from .errors import UserError
 from .metrics import score
 from .model import Transformer
-from .runtime import (BF16_OUTPUT, autocast, compute_dtype, fastest_cpu_precision, inference_model, keep_freed_memory,
-                      matmul_gflops, pick_device, resolve_precision)
+from .runtime import (
+    BF16_OUTPUT,
+    autocast,
+    compute_dtype,
+    fastest_cpu_precision,
+    inference_model,
+    keep_freed_memory,
+    matmul_gflops,
+    pick_device,
+    resolve_precision,
+)
 from .search import translate_ids
 from .tokenizer import Tokenizer, train_tokenizer
 from .vocab import PAD
@@ -52,18 +92,26 @@ def noam(step: int, d_model: int, warmup: int, factor: float) -> float:
 
 
 def cooldown_factor(step: int, start: int, end: int) -> float:
-    """The learning rate's multiplier for update `step` (1-based): 1 up to `start`, then a straight line down
-    to 1 / (end - start) at update `end`, the last (annealing to ~0 by the end of the run; end <= start: none)."""
+    """The learning rate's multiplier for update `step` (1-based): 1 up to `start`, then a straight
+    line down to 1 / (end - start) at update `end`, the last (annealing to ~0 by the end of the run;
+    end <= start: none)."""
     if end <= start or step <= start:
         return 1.0
     return max(end - step + 1, 0) / (end - start)
 
 
-def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
+def label_smoothed_loss(
+    logits: torch.Tensor, target: torch.Tensor, smoothing: float
+) -> torch.Tensor:
     """Summed label-smoothed cross-entropy over non-padding targets (Sec. 5.4). logits (..., V)."""
     V = logits.size(-1)
-    return F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=PAD,
-                           label_smoothing=smoothing, reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, V).float(),
+        target.reshape(-1),
+        ignore_index=PAD,
+        label_smoothing=smoothing,
+        reduction="sum",
+    )
 
 
 @dataclass
@@ -79,21 +127,32 @@ class TrainState:
     bad_validations: int = 0  # validations since the best one
     seconds: float = 0.0  # training wall-clock of earlier (resumed-from) runs
     precision: str = ""  # what the run trains in (precision auto's measured choice)
-    cooldown_start: int = 0  # the lr decays linearly from update cooldown_start to ~0 at cooldown_end
+    # the lr decays linearly from update cooldown_start to ~0 at cooldown_end
+    cooldown_start: int = 0
     cooldown_end: int = 0  # (both 0: no cooldown); see cooldown_by_steps and plan_cooldown
 
     def cooldown(self) -> tuple[int, int]:
-        """The cooldown plan (start, end) that the schedule reads at every update, after a resume too."""
+        """The cooldown plan (start, end) that the schedule reads at every update, after a resume
+        too."""
         return self.cooldown_start, self.cooldown_end
 
     def summary(self, reason: str, minutes: float, run_dir: Path, rank: int) -> dict[str, Any]:
         """What `train` returns: how far the run got, why it stopped, its best validation."""
-        return {"steps": self.step, "epochs": self.epoch, "minutes": round(minutes, 2), "best_score": self.best_score,
-                "best_step": self.best_step, "target_tokens": self.target_tokens, "stopped": reason,
-                "run_dir": str(run_dir), "rank": rank}
+        return {
+            "steps": self.step,
+            "epochs": self.epoch,
+            "minutes": round(minutes, 2),
+            "best_score": self.best_score,
+            "best_step": self.best_step,
+            "target_tokens": self.target_tokens,
+            "stopped": reason,
+            "run_dir": str(run_dir),
+            "rank": rank,
+        }
 
     def record_validation(self, score: float | None) -> bool:
-        """Note this step's validation score; True if it is the best so far (always, with nothing to score)."""
+        """Note this step's validation score; True if it is the best so far (always, with nothing to
+        score)."""
         improved = score is None or score > self.best_score
         if improved:
             self.best_score = self.step if score is None else score
@@ -111,8 +170,10 @@ def resume_path(run_dir: Path, resume: str | Path | bool | None) -> Path | None:
     last = run_dir / "checkpoints" / "last.pt"
     if resume is None or resume is False:
         if last.exists():
-            raise UserError(f"{run_dir} already holds a run (checkpoints/last.pt): add --resume to "
-                            "continue it, or set another output_dir (or delete the folder) to start over")
+            raise UserError(
+                f"{run_dir} already holds a run (checkpoints/last.pt): add --resume to "
+                "continue it, or set another output_dir (or delete the folder) to start over"
+            )
         return None
     path = last if resume is True else Path(resume)
     if not path.is_file():
@@ -121,15 +182,22 @@ def resume_path(run_dir: Path, resume: str | Path | bool | None) -> Path | None:
 
 
 def prepare_tokenizer(cfg: Config, run_dir: Path) -> Tokenizer:
-    """Reuse the run's SentencePiece model if there is one; otherwise train it on the train split."""
+    """Reuse the run's SentencePiece model if there is one; otherwise train it on the train
+    split."""
     if Tokenizer.exists(run_dir):
         return Tokenizer.load(run_dir)
-    log.info("training SentencePiece (%s, %d pieces, %s) on the training split", cfg.tokenizer.type,
-             cfg.tokenizer.vocab_size, "joint" if cfg.tokenizer.joint else "separate")
+    log.info(
+        "training SentencePiece (%s, %d pieces, %s) on the training split",
+        cfg.tokenizer.type,
+        cfg.tokenizer.vocab_size,
+        "joint" if cfg.tokenizer.joint else "separate",
+    )
     pairs = lambda: iter_split(cfg.data, "train")  # noqa: E731  streamed, twice
     if next(pairs(), None) is None:
         raise DataError("data.train: the corpus is empty")
-    tok = train_tokenizer(cfg.tokenizer, (s for s, _ in pairs()), (t for _, t in pairs()), seed=cfg.train.seed)
+    tok = train_tokenizer(
+        cfg.tokenizer, (s for s, _ in pairs()), (t for _, t in pairs()), seed=cfg.train.seed
+    )
     tok.save(run_dir)
     return tok
 
@@ -156,8 +224,8 @@ def prepare_data(cfg: Config, tokenizer: Tokenizer) -> TrainingData:
 
 
 def prepare_run(cfg: Config, run_dir: Path, d: Dist) -> tuple[Tokenizer, TrainingData]:
-    """The run directory with its config, the tokenizer and the tokenized data. Rank 0 trains the tokenizer and
-    fills the cache; the other ranks then read them."""
+    """The run directory with its config, the tokenizer and the tokenized data. Rank 0 trains the
+    tokenizer and fills the cache; the other ranks then read them."""
     with rank_zero_first(d):
         if d.main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -166,44 +234,80 @@ def prepare_run(cfg: Config, run_dir: Path, d: Dist) -> tuple[Tokenizer, Trainin
         return tokenizer, prepare_data(cfg, tokenizer)
 
 
-def build_optimizer(model: Transformer, tc: TrainConfig, device: torch.device,
-                    cooldown: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> tuple[torch.optim.Optimizer, Any]:
-    """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR, times the cooldown
-    factor of the plan that `cooldown()` returns (start, end) when the lr is computed."""
+def build_optimizer(
+    model: Transformer,
+    tc: TrainConfig,
+    device: torch.device,
+    cooldown: Callable[[], tuple[int, int]] = lambda: (0, 0),
+) -> tuple[torch.optim.Optimizer, Any]:
+    """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR, times the
+    cooldown factor of the plan that `cooldown()` returns (start, end) when the lr is computed."""
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=tc.adam_betas, eps=tc.adam_eps,
-                                 weight_decay=tc.weight_decay, **fused)
+    optimizer = torch.optim.Adam(
+        model.parameters(),
+        lr=1.0,
+        betas=tc.adam_betas,
+        eps=tc.adam_eps,
+        weight_decay=tc.weight_decay,
+        **fused,
+    )
     # LambdaLR counts from 0 before the first update; update number s uses noam(s).
     d_model = model.cfg.d_model
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: noam(i + 1, d_model, tc.warmup, tc.lr_factor) * cooldown_factor(i + 1, *cooldown()))
+        optimizer,
+        lambda i: (
+            noam(i + 1, d_model, tc.warmup, tc.lr_factor) * cooldown_factor(i + 1, *cooldown())
+        ),
+    )
     return optimizer, scheduler
 
 
-def describe_run(tc: TrainConfig, d: Dist, device: torch.device, precision: str, model: Transformer,
-                 data: TrainingData, batches_per_epoch: int) -> None:
+def describe_run(
+    tc: TrainConfig,
+    d: Dist,
+    device: torch.device,
+    precision: str,
+    model: Transformer,
+    data: TrainingData,
+    batches_per_epoch: int,
+) -> None:
     """One log line on what is about to be trained, and how."""
-    log.info("device %s, precision %s, %.2fM parameters, %d training pairs, %d batches/epoch of <= %d tokens; "
-             "effective batch <= %d tokens (max_tokens %d x accumulate %d x %d process%s)", device, precision,
-             model.num_parameters() / 1e6, len(data.train_idx), batches_per_epoch, tc.max_tokens,
-             tc.max_tokens * tc.accumulate * d.world, tc.max_tokens, tc.accumulate, d.world, "es" if d.world > 1 else "")
+    log.info(
+        "device %s, precision %s, %.2fM parameters, %d training pairs, %d batches/epoch of <= %d "
+        "tokens; "
+        "effective batch <= %d tokens (max_tokens %d x accumulate %d x %d process%s)",
+        device,
+        precision,
+        model.num_parameters() / 1e6,
+        len(data.train_idx),
+        batches_per_epoch,
+        tc.max_tokens,
+        tc.max_tokens * tc.accumulate * d.world,
+        tc.max_tokens,
+        tc.accumulate,
+        d.world,
+        "es" if d.world > 1 else "",
+    )
 
 
-def training_forward(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device) -> torch.nn.Module:
+def training_forward(
+    model: Transformer, tc: TrainConfig, d: Dist, device: torch.device
+) -> torch.nn.Module:
     """The module the loop calls: DDP and/or torch.compile around the model. Checkpoints take the
     state dict of the plain model, so they load without either."""
     forward: torch.nn.Module = model
     if d.world > 1:
         forward = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     if tc.compile:
         forward = torch.compile(forward, dynamic=True)
     return forward
 
 
 def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device, str]:
-    """Threads, the process group, seeds (seed + rank: each rank its own dropout masks); this process's device
-    and the resolved precision."""
+    """Threads, the process group, seeds (seed + rank: each rank its own dropout masks); this
+    process's device and the resolved precision."""
     if tc.threads:
         torch.set_num_threads(tc.threads)
     d = init_distributed(tc.device)
@@ -214,22 +318,25 @@ def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device, str]:
     return d, device, resolve_precision(tc.precision, device)
 
 
-# From the most exact to the least: ranks that measured differently train in the most exact of their choices.
+# From the most exact to the least: ranks that measured differently train in the most exact of their
+# choices.
 CPU_PRECISIONS = ("fp32", BF16_OUTPUT, "bf16")
 
 
 def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device) -> str:
-    """precision auto on a CPU: time a training step of this model on a synthetic batch of train.max_tokens
-    (at most 4,096) in fp32, in bf16 autocast and in fp32 with a bf16 output layer, and train in the fastest,
-    but in fp32 unless that is at least 10% faster (fp32 is exact, so it wins near-ties and the choice does
-    not flip on timing noise). A batch of the run's size: how much the output layer weighs depends on it.
-    bf16 candidates are not timed where the CPU emulates bf16, nor further where their first step is slow."""
+    """precision auto on a CPU: time a training step of this model on a synthetic batch of
+    train.max_tokens (at most 4,096) in fp32, in bf16 autocast and in fp32 with a bf16 output layer,
+    and train in the fastest, but in fp32 unless that is at least 10% faster (fp32 is exact, so it
+    wins near-ties and the choice does not flip on timing noise). A batch of the run's size: how
+    much the output layer weighs depends on it. bf16 candidates are not timed where the CPU emulates
+    bf16, nor further where their first step is slow."""
     T = 24
     n = max(1, min(tc.max_tokens, 4096) // T) * T
-    # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than the source's),
-    # above the special ids.
-    src = (torch.arange(n) % (model.src_embed.lut.num_embeddings - 4) + 4).view(-1, T).to(device)  # (B, T)
-    tgt = (torch.arange(n) % (model.generator.out_features - 4) + 4).view(-1, T).to(device)  # (B, T)
+    # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than the
+    # source's), above the special ids. (B, T)
+    src = (torch.arange(n) % (model.src_embed.lut.num_embeddings - 4) + 4).view(-1, T).to(device)
+    # (B, T)
+    tgt = (torch.arange(n) % (model.generator.out_features - 4) + 4).view(-1, T).to(device)
 
     def step(precision: str) -> None:
         model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
@@ -243,15 +350,26 @@ def choose_cpu_precision(model: Transformer, tc: TrainConfig, d: Dist, device: t
     mine = fastest if seconds and seconds[fastest] < 0.9 * seconds["fp32"] else "fp32"
     choice = CPU_PRECISIONS[agree_min(d, device, CPU_PRECISIONS.index(mine))]
     timed = ", ".join(f"{1000 * s:.0f} ms in {p}" for p, s in seconds.items())
-    log.info("precision auto: %s%s; training in %s", f"a training step took {timed} on this CPU" if timed else
-             "nothing timed", "".join(f"; {p} skipped ({why})" for p, why in skipped.items()), choice)
+    log.info(
+        "precision auto: %s%s; training in %s",
+        f"a training step took {timed} on this CPU" if timed else "nothing timed",
+        "".join(f"; {p} skipped ({why})" for p, why in skipped.items()),
+        choice,
+    )
     return choice
 
 
-def set_up_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch.device, precision: str,
-                     resumed_ckpt: dict[str, Any] | None = None) -> str:
-    """The precision to train in (auto on a CPU: measured, bf16 only where the CPU has it; a resumed auto run keeps
-    the one it began in, so one run never mixes two); bf16-output sets the model's output projection to bf16."""
+def set_up_precision(
+    model: Transformer,
+    tc: TrainConfig,
+    d: Dist,
+    device: torch.device,
+    precision: str,
+    resumed_ckpt: dict[str, Any] | None = None,
+) -> str:
+    """The precision to train in (auto on a CPU: measured, bf16 only where the CPU has it; a resumed
+    auto run keeps the one it began in, so one run never mixes two); bf16-output sets the model's
+    output projection to bf16."""
     resumed = resumed_ckpt["train_state"].get("precision", "") if resumed_ckpt is not None else ""
     if tc.precision == "auto" and resumed:
         precision = resumed
@@ -263,33 +381,52 @@ def set_up_precision(model: Transformer, tc: TrainConfig, d: Dist, device: torch
 
 
 def cooldown_by_steps(tc: TrainConfig) -> tuple[int, int]:
-    """The cooldown's (start, end) updates without a time budget: the last `cooldown` of max_steps."""
+    """The cooldown's (start, end) updates without a time budget: the last `cooldown` of
+    max_steps."""
     if not tc.cooldown:
         return 0, 0
     return tc.max_steps - max(1, round(tc.cooldown * tc.max_steps)), tc.max_steps
 
 
-def plan_cooldown(state: TrainState, tc: TrainConfig, d: Dist, device: torch.device, minutes: float,
-                  steps_per_minute: float) -> int:
-    """Start the cooldown now, to end when the time budget does: the updates left are the budget's minutes
-    left at this run's rate (2% kept spare), at most max_steps. Every rank takes the same plan; returns its end."""
+def plan_cooldown(
+    state: TrainState,
+    tc: TrainConfig,
+    d: Dist,
+    device: torch.device,
+    minutes: float,
+    steps_per_minute: float,
+) -> int:
+    """Start the cooldown now, to end when the time budget does: the updates left are the budget's
+    minutes left at this run's rate (2% kept spare), at most max_steps. Every rank takes the same
+    plan; returns its end."""
     left = tc.max_minutes - minutes
     end = min(tc.max_steps, state.step + max(1, int(0.98 * steps_per_minute * left)))
     state.cooldown_start, state.cooldown_end = state.step, agree_min(d, device, end)
-    log.info("cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f updates/min, %.1f of "
-             "train.max_minutes=%g left)", state.step, state.cooldown_end, steps_per_minute, left, tc.max_minutes)
+    log.info(
+        "cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f updates/min, "
+        "%.1f of "
+        "train.max_minutes=%g left)",
+        state.step,
+        state.cooldown_end,
+        steps_per_minute,
+        left,
+        tc.max_minutes,
+    )
     return state.cooldown_end
 
 
 def stopped_already(tc: TrainConfig, state: TrainState, batches: EpochBatches) -> str:
-    """Why a resumed run has nothing left to train ("" if it has): a limit it had reached when it was saved. A run
-    saved after its last epoch's last batch still counts that epoch (the stream moves on only when asked)."""
+    """Why a resumed run has nothing left to train ("" if it has): a limit it had reached when it
+    was saved. A run saved after its last epoch's last batch still counts that epoch (the stream
+    moves on only when asked)."""
     if state.step >= tc.max_steps:
         return f"train.max_steps={tc.max_steps} reached"
     if state.step >= state.cooldown_end > 0:
         return f"the cooldown's last update (train.cooldown={tc.cooldown:g}) done"
-    last_done = (state.epoch == tc.max_epochs
-                 and state.batch_in_epoch >= len(batches.epoch(state.epoch)) // batches.dist.world)
+    last_done = (
+        state.epoch == tc.max_epochs
+        and state.batch_in_epoch >= len(batches.epoch(state.epoch)) // batches.dist.world
+    )
     if state.epoch > tc.max_epochs or last_done:
         return f"train.max_epochs={tc.max_epochs} reached"
     if tc.max_minutes and state.seconds >= 60 * tc.max_minutes:
@@ -301,7 +438,8 @@ def stopped_already(tc: TrainConfig, state: TrainState, batches: EpochBatches) -
 
 
 class Meter:
-    """Loss, target tokens and FLOPs of the steps since the last log line; the loss stays on the device."""
+    """Loss, target tokens and FLOPs of the steps since the last log line; the loss stays on the
+    device."""
 
     def __init__(self, device: torch.device, first_step: int, peak_gflops: float):
         self.loss, self.peak_gflops = torch.zeros((), device=device), peak_gflops
@@ -309,7 +447,12 @@ class Meter:
 
     def reset(self, first_step: int) -> None:
         self.loss.zero_()
-        self.tokens, self.flops, self.start, self.first_step = 0, 0.0, time.perf_counter(), first_step
+        self.tokens, self.flops, self.start, self.first_step = (
+            0,
+            0.0,
+            time.perf_counter(),
+            first_step,
+        )
 
     def add(self, loss: torch.Tensor, tokens: int, flops: float) -> None:
         self.loss += loss
@@ -317,10 +460,14 @@ class Meter:
         self.flops += flops
 
     def log(self, step: int, loss: float, lr: float, bar: tqdm, writer: Any, **extra: str) -> None:
-        """Show loss, lr, tokens/s and MFU on the bar and in the event log; start the next window."""
+        """Show loss, lr, tokens/s and MFU on the bar and in the event log; start the next
+        window."""
         seconds = max(time.perf_counter() - self.start, 1e-9)
-        tok_s, mfu = self.tokens / seconds, self.flops / seconds / 1e9 / self.peak_gflops  # MFU per device
-        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.0%}", **extra)
+        # MFU per device
+        tok_s, mfu = self.tokens / seconds, self.flops / seconds / 1e9 / self.peak_gflops
+        bar.set_postfix(
+            loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.0%}", **extra
+        )
         for name, value in (("loss", loss), ("lr", lr), ("tokens_per_sec", tok_s), ("mfu", mfu)):
             writer.add_scalar(f"train/{name}", value, step)
         self.reset(step + 1)
@@ -338,11 +485,16 @@ class StopSignals:
         if self.caught is not None:
             raise KeyboardInterrupt
         self.caught = signal.Signals(signum).name
-        tqdm.write(f"tmt: {self.caught}: finishing this step and writing last.pt (press Ctrl-C again to stop at once)")
+        tqdm.write(
+            f"tmt: {self.caught}: finishing this step and writing last.pt (press Ctrl-C again to "
+            "stop at once)"
+        )
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+            self.previous = {
+                sig: signal.signal(sig, self.handler) for sig in (signal.SIGINT, signal.SIGTERM)
+            }
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -357,24 +509,32 @@ class EpochBatches:
         self.data, self.tc, self.dist = data, tc, d
 
     def epoch(self, epoch: int) -> list[np.ndarray]:
-        """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of the
-        world size; rank r takes batches r, r + world, r + 2*world, ..."""
+        """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of
+        the world size; rank r takes batches r, r + world, r + 2*world, ..."""
         idx, world = self.data.train_idx, self.dist.world
-        batches = make_batches(self.data.train.src_lens[idx], self.data.train.tgt_lens[idx], self.tc.max_tokens,
-                               seed=self.tc.seed, epoch=epoch)
-        return [idx[b] for b in batches[:len(batches) // world * world]]
+        batches = make_batches(
+            self.data.train.src_lens[idx],
+            self.data.train.tgt_lens[idx],
+            self.tc.max_tokens,
+            seed=self.tc.seed,
+            epoch=epoch,
+        )
+        return [idx[b] for b in batches[: len(batches) // world * world]]
 
     def stream(self, state: TrainState) -> Iterator[tuple[Batch, int]]:
-        """Endless stream of (this rank's batch, target tokens of that batch summed over all ranks) from
-        the state's position, which it advances (batch_in_epoch counts this rank's batches)."""
+        """Endless stream of (this rank's batch, target tokens of that batch summed over all ranks)
+        from the state's position, which it advances (batch_in_epoch counts this rank's batches)."""
         tgt_lens, world = self.data.train.tgt_lens, self.dist.world
         while state.epoch <= self.tc.max_epochs:
             batches = self.epoch(state.epoch)
             while state.batch_in_epoch < len(batches) // world:
                 j = state.batch_in_epoch * world
-                group = batches[j:j + world]  # this step's batches of every rank
+                group = batches[j : j + world]  # this step's batches of every rank
                 state.batch_in_epoch += 1
-                yield collate(self.data.train, group[self.dist.rank]), sum(int(tgt_lens[b].sum()) + len(b) for b in group)
+                yield (
+                    collate(self.data.train, group[self.dist.rank]),
+                    sum(int(tgt_lens[b].sum()) + len(b) for b in group),
+                )
             state.epoch += 1
             state.batch_in_epoch = 0
 
@@ -390,37 +550,71 @@ class Trainer:
         self.cfg, self.run_dir, tc = cfg, Path(cfg.output_dir), cfg.train
         resume_from = resume_path(self.run_dir, resume)
         self.dist, self.device, self.precision = init_runtime(tc)
-        resumed = load_training_checkpoint(resume_from, map_location=self.device) if resume_from is not None else None
+        resumed = (
+            load_training_checkpoint(resume_from, map_location=self.device)
+            if resume_from is not None
+            else None
+        )
         self.tokenizer, self.data = prepare_run(cfg, self.run_dir, self.dist)
         self.batches = EpochBatches(self.data, tc, self.dist)
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
-        self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # BLEU scores the raw references
+        # BLEU scores the raw references
+        self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None
         self.model = Transformer(cfg.model, *self.tokenizer.sizes()).to(self.device)
-        self.precision = set_up_precision(self.model, tc, self.dist, self.device, self.precision, resumed)
+        self.precision = set_up_precision(
+            self.model, tc, self.dist, self.device, self.precision, resumed
+        )
         self.forward = training_forward(self.model, tc, self.dist, self.device)
-        self.state, self.writer = TrainState(), _NullWriter()  # the event writer opens when training starts
-        self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device, lambda: self.state.cooldown())
+        # the event writer opens when training starts
+        self.state, self.writer = TrainState(), _NullWriter()
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, tc, self.device, lambda: self.state.cooldown()
+        )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         if resumed is not None:
             self._restore(resume_from, resumed)
 
     def _restore(self, path: Path, ckpt: dict[str, Any]) -> None:
-        """Model, optimizer, schedule, scaler, loop position and every RNG, as they were when saved."""
-        restore_training(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-                         cfg=self.cfg, tokenizer=self.tokenizer, run_dir=self.run_dir, device=self.device, ckpt=ckpt)
+        """Model, optimizer, schedule, scaler, loop position and every RNG, as they were when
+        saved."""
+        restore_training(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            cfg=self.cfg,
+            tokenizer=self.tokenizer,
+            run_dir=self.run_dir,
+            device=self.device,
+            ckpt=ckpt,
+        )
         self.state = TrainState(**ckpt["train_state"])
         if not restore_rng(self.dist, ckpt["rng"]):
-            log.warning("resuming with %d processes from another number: random streams will differ", self.dist.world)
-        log.info("resumed from %s: step %d, epoch %d, batch %d of the epoch", path, self.state.step,
-                 self.state.epoch, self.state.batch_in_epoch)
+            log.warning(
+                "resuming with %d processes from another number: random streams will differ",
+                self.dist.world,
+            )
+        log.info(
+            "resumed from %s: step %d, epoch %d, batch %d of the epoch",
+            path,
+            self.state.step,
+            self.state.epoch,
+            self.state.batch_in_epoch,
+        )
 
     def train(self) -> dict[str, Any]:
-        """Run until max_steps, max_epochs, the time budget or early stopping, and return a summary; a resumed run
-        that had stopped there trains and writes nothing. DDP ranks agree at log and validation steps only."""
+        """Run until max_steps, max_epochs, the time budget or early stopping, and return a summary;
+        a resumed run that had stopped there trains and writes nothing. DDP ranks agree at log and
+        validation steps only."""
         done = stopped_already(self.cfg.train, self.state, self.batches)
         if done:
-            log.info("nothing to train: %s when the resumed checkpoint was written; its checkpoints are left as "
-                     "they are", done)
+            log.info(
+                "nothing to train: %s when the resumed checkpoint was written; its checkpoints are "
+                "left as "
+                "they are",
+                done,
+            )
             return self.state.summary(done, self.minutes(), self.run_dir, self.dist.rank)
         try:
             return self._train()
@@ -430,10 +624,14 @@ class Trainer:
     def _train(self) -> dict[str, Any]:
         tc = self.cfg.train
         bar, peak = self._start()
-        batches, meter = self.batches.stream(self.state), Meter(self.device, self.state.step + 1, peak)
+        batches, meter = (
+            self.batches.stream(self.state),
+            Meter(self.device, self.state.step + 1, peak),
+        )
         validated_at, reason = -1, ""
         self.model.train()
-        first_step, first_minute = self.state.step, self.minutes()  # this process's step rate, for the plan
+        # this process's step rate, for the plan
+        first_step, first_minute = self.state.step, self.minutes()
         with StopSignals() as signals:
             while not reason:
                 pairs = list(itertools.islice(batches, tc.accumulate))
@@ -441,7 +639,8 @@ class Trainer:
                     reason = f"train.max_epochs={tc.max_epochs} reached"
                     break
                 micro, tokens = [b for b, _ in pairs], sum(n for _, n in pairs)
-                flops = sum(self.model.train_flops(b.src, b.tgt_out) for b in micro)  # host tensors: no sync
+                # host tensors: no sync
+                flops = sum(self.model.train_flops(b.src, b.tgt_out) for b in micro)
                 meter.add(self.train_step(micro, tokens), tokens, flops)
                 self.state.step += 1
                 self.state.target_tokens += tokens
@@ -450,9 +649,19 @@ class Trainer:
                 now, budget = self.minutes(), tc.max_minutes or math.inf
                 cooling_due = step < self.state.cooldown_start and now >= (1 - tc.cooldown) * budget
                 due = self.dist.world == 1 or step % tc.log_every == 0 or step % tc.valid_every == 0
-                out_of_time, interrupted, cool = agree(self.dist, self.device, now >= budget, signals.caught is not None,
-                                                       cooling_due) if due else (False, False, False)
-                if cool:  # the time budget will end the run before max_steps: cool down over its last part
+                out_of_time, interrupted, cool = (
+                    agree(
+                        self.dist,
+                        self.device,
+                        now >= budget,
+                        signals.caught is not None,
+                        cooling_due,
+                    )
+                    if due
+                    else (False, False, False)
+                )
+                # the time budget will end the run before max_steps: cool down over its last part
+                if cool:
                     rate = (step - first_step) / max(now - first_minute, 1e-9)
                     bar.total = plan_cooldown(self.state, tc, self.dist, self.device, now, rate)
                 if step >= tc.max_steps:
@@ -470,53 +679,87 @@ class Trainer:
                     if self.validate_and_save(bar) and not reason:
                         reason = f"no better validation score in train.patience={tc.patience} validations"
                 elif tc.save_every and step % tc.save_every == 0:
-                    self.save({})  # not validated: it carries no metrics, so `average --best` does not rank it
+                    # not validated: it carries no metrics, so `average --best` does not rank it
+                    self.save({})
         if validated_at != self.state.step:
             self.validate_and_save(bar)  # keep the final weights too
         bar.close()
         return self._finish(reason)
 
     def _start(self) -> tuple[tqdm, float]:
-        """Open the event log (rank 0), say what is trained; the progress bar and the matmul GFLOP/s."""
+        """Open the event log (rank 0), say what is trained; the progress bar and the matmul
+        GFLOP/s."""
         tc, main, self.state.precision = self.cfg.train, self.dist.main, self.precision
         if not self.state.cooldown_end:  # by steps; the time budget may move it earlier
             self.state.cooldown_start, self.state.cooldown_end = cooldown_by_steps(tc)
         if main:
-            from torch.utils.tensorboard import SummaryWriter  # imported late: slow, and only the loop needs it
+            # imported late: slow, and only the loop needs it
+            from torch.utils.tensorboard import SummaryWriter
+
             self.writer = SummaryWriter(str(self.run_dir / "tb"))
-            describe_run(tc, self.dist, self.device, self.precision, self.model, self.data, len(self.batches.epoch(1)))
+            describe_run(
+                tc,
+                self.dist,
+                self.device,
+                self.precision,
+                self.model,
+                self.data,
+                len(self.batches.epoch(1)),
+            )
         m = self.cfg.model
-        bar = tqdm(total=self.state.cooldown_end or tc.max_steps, initial=self.state.step, desc="train", unit="step",
-                   dynamic_ncols=True, mininterval=1.0, disable=not main or log.level > logging.INFO)  # tmt -q
-        return bar, matmul_gflops(self.device, compute_dtype(self.precision), 4096, m.d_model, m.d_ff)
+        bar = tqdm(
+            total=self.state.cooldown_end or tc.max_steps,
+            initial=self.state.step,
+            desc="train",
+            unit="step",
+            # tmt -q
+            dynamic_ncols=True,
+            mininterval=1.0,
+            disable=not main or log.level > logging.INFO,
+        )
+        return bar, matmul_gflops(
+            self.device, compute_dtype(self.precision), 4096, m.d_model, m.d_ff
+        )
 
     def _report(self, meter: Meter, bar: tqdm, logged: bool) -> None:
         """Stop on a non-finite loss; on log steps, show and record loss, lr, tokens/s and MFU."""
         step, tc = self.state.step, self.cfg.train
-        loss = global_sum(self.dist, meter.loss) / max(meter.tokens, 1)  # the one host sync per window
+        # the one host sync per window
+        loss = global_sum(self.dist, meter.loss) / max(meter.tokens, 1)
         if not math.isfinite(loss):
             bar.close()
-            raise TrainingDiverged.at(loss, meter.first_step, step, self.run_dir / "checkpoints" / "last.pt")
+            raise TrainingDiverged.at(
+                loss, meter.first_step, step, self.run_dir / "checkpoints" / "last.pt"
+            )
         if logged:
             budget = {"min": f"{self.minutes():.1f}/{tc.max_minutes:g}"} if tc.max_minutes else {}
             meter.log(step, loss, self.scheduler.get_last_lr()[0], bar, self.writer, **budget)
 
     def _stop_interrupted(self, bar: tqdm, signal_name: str | None) -> None:
-        """After a signal: write last.pt (every rank gives its RNG state; rank 0 writes) and stop."""
+        """After a signal: write last.pt (every rank gives its RNG state; rank 0 writes) and
+        stop."""
         bar.close()
         rng = gathered_rng(self.dist)
         last = self.run_dir / "checkpoints" / "last.pt"
         if self.dist.main:
             save_checkpoint(last, self._checkpoint({}, rng))
-        raise TrainingInterrupted(f"{signal_name or 'signal'}: stopped after step {self.state.step}, saved {last}; "
-                                  "continue with the same command plus --resume", 143 if signal_name == "SIGTERM" else 130)
+        raise TrainingInterrupted(
+            f"{signal_name or 'signal'}: stopped after step {self.state.step}, saved {last}; "
+            "continue with the same command plus --resume",
+            143 if signal_name == "SIGTERM" else 130,
+        )
 
     def _finish(self, reason: str) -> dict[str, Any]:
         if self.dist.main:
             log.info("stopped: %s", reason)
             if self.cfg.train.average_last > 1:
-                average_and_validate(self.run_dir, self.cfg.train.average_last, self.model, self.validation_metrics,
-                                     self.state.best_score)
+                average_and_validate(
+                    self.run_dir,
+                    self.cfg.train.average_last,
+                    self.model,
+                    self.validation_metrics,
+                    self.state.best_score,
+                )
         self.writer.close()
         return self.state.summary(reason, self.minutes(), self.run_dir, self.dist.rank)
 
@@ -525,17 +768,20 @@ class Trainer:
         return (self.state.seconds + time.perf_counter() - self.started) / 60
 
     def train_step(self, micro: list[Batch], global_tokens: int | None = None) -> torch.Tensor:
-        """One optimizer update over `micro` batches; returns the summed loss (a device tensor). The loss is normalised
-        by the update's target tokens over all ranks, known on the host (no sync); DDP averages gradients over
-        ranks, so each rank scales its share by the world size."""
+        """One optimizer update over `micro` batches; returns the summed loss (a device tensor). The
+        loss is normalised by the update's target tokens over all ranks, known on the host (no
+        sync); DDP averages gradients over ranks, so each rank scales its share by the world
+        size."""
         tc, world = self.cfg.train, self.dist.world
         n_tokens = global_tokens or sum(b.n_tgt_tokens for b in micro)
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
             batch = batch.to(self.device)
-            ddp = getattr(self.forward, "_orig_mod", self.forward)  # under torch.compile, the wrapped DDP module
+            # under torch.compile, the wrapped DDP module
+            ddp = getattr(self.forward, "_orig_mod", self.forward)
             last = i == len(micro) - 1
-            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # micro-steps skip all-reduce
+            # micro-steps skip all-reduce
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
                 with autocast(self.precision, self.device):
                     logits = self.forward(batch.src, batch.tgt_in)  # (B, T, V)
                 loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
@@ -544,7 +790,8 @@ class Trainer:
         if tc.clip_norm > 0:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm)
-        self.scaler.step(self.optimizer)  # skipped when the scaled gradients hold an inf or NaN (fp16)
+        # skipped when the scaled gradients hold an inf or NaN (fp16)
+        self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -553,11 +800,19 @@ class Trainer:
     # ------------------------------------------------------------------ validation and checkpoints
 
     def validation_metrics(self) -> dict[str, float]:
-        return validate(self.model, self.data, self.valid_refs, self.tokenizer, self.cfg, self.precision, self.device)
+        return validate(
+            self.model,
+            self.data,
+            self.valid_refs,
+            self.tokenizer,
+            self.cfg,
+            self.precision,
+            self.device,
+        )
 
     def validate_and_save(self, bar: tqdm | None = None) -> bool:
-        """Validate, write checkpoints (last, step_N, best), and say whether to stop early. Under DDP rank 0
-        does this while the others wait; every rank learns the early-stop decision."""
+        """Validate, write checkpoints (last, step_N, best), and say whether to stop early. Under
+        DDP rank 0 does this while the others wait; every rank learns the early-stop decision."""
         rng = gathered_rng(self.dist)
         stop = False
         if self.dist.main:
@@ -567,49 +822,81 @@ class Trainer:
             improved = self.state.record_validation(validation_score(metrics))
             self.save(metrics, best=improved, rng=rng)
             msg = " ".join(f"{k} {v:.2f}" for k, v in metrics.items()) or "(no validation set)"
-            (bar.write if bar and not bar.disable else log.info)(f"step {step}: valid {msg}{' (best)' if improved else ''}")
-            stop = bool(self.cfg.train.patience) and self.state.bad_validations >= self.cfg.train.patience
+            (bar.write if bar and not bar.disable else log.info)(
+                f"step {step}: valid {msg}{' (best)' if improved else ''}"
+            )
+            stop = (
+                bool(self.cfg.train.patience)
+                and self.state.bad_validations >= self.cfg.train.patience
+            )
         return agree(self.dist, self.device, stop)[0]
 
     def _checkpoint(self, metrics: dict[str, float], rng: Any) -> dict[str, Any]:
-        return training_checkpoint(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                   scaler=self.scaler, metrics=metrics, rng=rng, cfg=self.cfg, tokenizer=self.tokenizer,
-                                   train_state={**dataclasses.asdict(self.state), "seconds": self.minutes() * 60})
+        return training_checkpoint(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            metrics=metrics,
+            rng=rng,
+            cfg=self.cfg,
+            tokenizer=self.tokenizer,
+            train_state={**dataclasses.asdict(self.state), "seconds": self.minutes() * 60},
+        )
 
     def save(self, metrics: dict[str, float], *, best: bool = False, rng: Any = None) -> None:
-        """last.pt, step_N.pt and best.pt (when improved); `metrics` are this step's validation, or none. Every
-        rank calls it unless `rng` (all ranks' RNG states) is given; rank 0 writes."""
+        """last.pt, step_N.pt and best.pt (when improved); `metrics` are this step's validation, or
+        none. Every rank calls it unless `rng` (all ranks' RNG states) is given; rank 0 writes."""
         rng = gathered_rng(self.dist) if rng is None else rng
         if self.dist.main:
-            save_rotating(self.run_dir, self._checkpoint(metrics, rng), best=best, keep_last=self.cfg.train.keep_last)
+            save_rotating(
+                self.run_dir,
+                self._checkpoint(metrics, rng),
+                best=best,
+                keep_last=self.cfg.train.keep_last,
+            )
 
 
 # --------------------------------------------------------------------------- validation
 
 
-def validate(model: Transformer, data: TrainingData, refs: list[str] | None, tokenizer: Tokenizer, cfg: Config,
-             precision: str, device: torch.device) -> dict[str, float]:
-    """Validation loss and perplexity, and BLEU against `refs` when given; empty without a valid split.
-    The model is left in training mode."""
+def validate(
+    model: Transformer,
+    data: TrainingData,
+    refs: list[str] | None,
+    tokenizer: Tokenizer,
+    cfg: Config,
+    precision: str,
+    device: torch.device,
+) -> dict[str, float]:
+    """Validation loss and perplexity, and BLEU against `refs` when given; empty without a valid
+    split. The model is left in training mode."""
     if data.valid is None:
         return {}
     loss = validation_loss(model, data, cfg.train.max_tokens, precision, device)
     metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
     if refs is not None:
-        hyps = validation_hypotheses(model, data.valid, cfg.decode, cfg.train.valid_beam, precision, device)
-        metrics["bleu"] = score(tokenizer.decode_tgt(hyps), refs, names=("bleu",), lang=cfg.data.tgt_lang)["bleu"]
+        hyps = validation_hypotheses(
+            model, data.valid, cfg.decode, cfg.train.valid_beam, precision, device
+        )
+        metrics["bleu"] = score(
+            tokenizer.decode_tgt(hyps), refs, names=("bleu",), lang=cfg.data.tgt_lang
+        )["bleu"]
     model.train()
     return metrics
 
 
 @torch.no_grad()
-def validation_loss(model: Transformer, data: TrainingData, max_tokens: int, precision: str,
-                    device: torch.device) -> float:
+def validation_loss(
+    model: Transformer, data: TrainingData, max_tokens: int, precision: str, device: torch.device
+) -> float:
     """Label-smoothing-free cross-entropy per target token over the usable validation pairs."""
     model.eval()
     valid, idx = data.valid, data.valid_idx
     total, tokens = torch.zeros((), device=device), 0
-    for b in make_batches(valid.src_lens[idx], valid.tgt_lens[idx], max_tokens, seed=0, epoch=0, shuffle=False):
+    for b in make_batches(
+        valid.src_lens[idx], valid.tgt_lens[idx], max_tokens, seed=0, epoch=0, shuffle=False
+    ):
         batch = collate(valid, idx[b]).to(device)
         with autocast(precision, device):
             logits = model(batch.src, batch.tgt_in)
@@ -618,20 +905,35 @@ def validation_loss(model: Transformer, data: TrainingData, max_tokens: int, pre
     return total.item() / max(tokens, 1)
 
 
-def validation_hypotheses(model: Transformer, valid: TokenizedCorpus, decode: DecodeConfig, beam: int,
-                          precision: str, device: torch.device) -> list[list[int]]:
-    """Output ids for every validation source, decoded from the cached token ids in the run's precision."""
+def validation_hypotheses(
+    model: Transformer,
+    valid: TokenizedCorpus,
+    decode: DecodeConfig,
+    beam: int,
+    precision: str,
+    device: torch.device,
+) -> list[list[int]]:
+    """Output ids for every validation source, decoded from the cached token ids in the run's
+    precision."""
     model, _ = inference_model(model, precision, device)
     hyps = translate_ids(model, [valid.src(i) for i in range(len(valid))], decode, beam=beam)
     return [nbest[0].tokens for nbest in hyps]
 
 
-def average_and_validate(run_dir: Path, n: int, model: Transformer, validate: Callable[[], dict[str, float]],
-                         best_score: float) -> None:
-    """Average the newest n step checkpoints into averaged.pt; it becomes best.pt if it validates better."""
+def average_and_validate(
+    run_dir: Path,
+    n: int,
+    model: Transformer,
+    validate: Callable[[], dict[str, float]],
+    best_score: float,
+) -> None:
+    """Average the newest n step checkpoints into averaged.pt; it becomes best.pt if it validates
+    better."""
     ckpt_dir, paths = run_dir / "checkpoints", step_checkpoints(run_dir)[-n:]
     if len(paths) < 2:
-        log.warning("train.average_last=%d: only %d step checkpoint(s) to average; skipped", n, len(paths))
+        log.warning(
+            "train.average_last=%d: only %d step checkpoint(s) to average; skipped", n, len(paths)
+        )
         return
     averaged = average_checkpoints(paths)
     model.load_state_dict(averaged["model"])
@@ -641,8 +943,13 @@ def average_and_validate(run_dir: Path, n: int, model: Transformer, validate: Ca
     better = current is not None and current > best_score
     if better:
         copy_checkpoint(ckpt_dir / "averaged.pt", ckpt_dir / "best.pt")  # serialised once
-    log.info("averaged %d checkpoints (steps %s): valid %s%s", len(paths), ", ".join(str(step_of(p)) for p in paths),
-             " ".join(f"{k} {v:.2f}" for k, v in metrics.items()), " (best: now best.pt)" if better else "")
+    log.info(
+        "averaged %d checkpoints (steps %s): valid %s%s",
+        len(paths),
+        ", ".join(str(step_of(p)) for p in paths),
+        " ".join(f"{k} {v:.2f}" for k, v in metrics.items()),
+        " (best: now best.pt)" if better else "",
+    )
 
 
 class _NullWriter:
@@ -668,9 +975,15 @@ class TrainingDiverged(UserError):
 
     @classmethod
     def at(cls, loss: float, first: int, step: int, last: Path) -> "TrainingDiverged":
-        kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written yet"
-        return cls(f"the training loss became {loss} between steps {first} and {step}; stopped, {kept} "
-                   "(lower train.lr_factor, raise train.warmup or set train.clip_norm)")
+        kept = (
+            f"the last good checkpoint is {last}"
+            if last.exists()
+            else "no checkpoint was written yet"
+        )
+        return cls(
+            f"the training loss became {loss} between steps {first} and {step}; stopped, {kept} "
+            "(lower train.lr_factor, raise train.warmup or set train.clip_norm)"
+        )
 
 
 def train(cfg: Config, resume: str | Path | bool | None = None) -> dict[str, Any]:
