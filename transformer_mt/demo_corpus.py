@@ -585,52 +585,67 @@ def render_np(np: NP, case: str = "nom", negated: bool = False) -> tuple[str, st
     if case not in _CASES:
         raise ValueError(f"unknown case {case!r}")
     if np.is_pronoun:
-        en_obj, nom, acc, dat, _ = PRONOUNS[np.head]
-        return (np.head if case == "nom" else en_obj), {"nom": nom, "acc": acc, "dat": dat}[case]
+        return _render_pronoun(np.head, case)
     noun = _NOUN_BY_EN[np.head]
     adj = _ADJ_BY_EN[np.adj] if np.adj else None
-    plural = np.is_plural
-    if np.det == "a" and plural:
+    if np.det == "a" and np.is_plural:
         raise ValueError("'a' with a plural noun")
-    g = "pl" if plural else noun.gender
+    return _en_np(np, noun, adj), _de_np(np, noun, adj, case, negated)
 
-    # English: determiner, adjective, noun
-    en_noun = noun.en_pl if plural else noun.en
-    en_words = [adj.en] if adj else []
-    en_words.append(en_noun)
+
+def _render_pronoun(head: str, case: str) -> tuple[str, str]:
+    """(English, German) for a personal pronoun: "he"/"er", as an object "him"/"ihn"/"ihm"."""
+    en_obj, nom, acc, dat, _ = PRONOUNS[head]
+    return (head if case == "nom" else en_obj), {"nom": nom, "acc": acc, "dat": dat}[case]
+
+
+def _en_np(np: NP, noun: Noun, adj: Adjective | None) -> str:
+    """English determiner, adjective and noun: "an old dog", "two dogs", "my dogs"."""
+    words = [adj.en] if adj else []
+    words.append(noun.en_pl if np.is_plural else noun.en)
     if np.count is not None:
-        en_words.insert(0, NUMBERS[np.count][0])
+        words.insert(0, NUMBERS[np.count][0])
     elif np.det == "a":
-        en_words.insert(0, _en_article(en_words[0]))
+        words.insert(0, _en_article(words[0]))
     elif np.det:
-        en_words.insert(0, np.det)
+        words.insert(0, np.det)
+    return " ".join(words)
 
-    # German: article decides the adjective declension (weak / mixed / strong)
-    de_words: list[str] = []
+
+def _de_np(np: NP, noun: Noun, adj: Adjective | None, case: str, negated: bool) -> str:
+    """German determiner, declined adjective and noun: "keinen alten Hund", "den Kindern"."""
+    g = "pl" if np.is_plural else noun.gender
     det = "no" if negated and np.indefinite else np.det
-    if np.count is not None:
-        de_words.append(NUMBERS[np.count][1])
-        endings = STRONG
-    elif det == "the":
-        de_words.append(DEFINITE[g][case])
-        endings = WEAK
-    elif det in EIN_WORDS:
-        de_words.append(EIN_WORDS[det] + EIN_ENDINGS[g][case])
-        endings = MIXED
-    elif det == "":
-        endings = STRONG
-    else:
-        raise ValueError(f"unknown determiner {np.det!r}")
+    words, endings = _de_determiner(det, np.count, g, case)
     if adj:
-        de_words.append(adj.stem + endings[g][case])
-    if plural:
-        de_noun = noun.de_pl
-        if case == "dat" and not de_noun.endswith(("n", "s")):
-            de_noun += "n"  # dative plural: den Kindern, but den Autos
-    else:
-        de_noun = noun.de_obl if (noun.de_obl and case != "nom") else noun.de
-    de_words.append(de_noun)
-    return " ".join(en_words), " ".join(de_words)
+        words.append(adj.stem + endings[g][case])
+    words.append(_de_noun(noun, np.is_plural, case))
+    return " ".join(words)
+
+
+def _de_determiner(
+    det: str, count: int | None, g: str, case: str
+) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The German determiner (none for a bare plural) and the adjective endings it calls for:
+    weak after der/die/das, mixed after ein-words, strong after a number or no article."""
+    if count is not None:
+        return [NUMBERS[count][1]], STRONG
+    if det == "the":
+        return [DEFINITE[g][case]], WEAK
+    if det in EIN_WORDS:
+        return [EIN_WORDS[det] + EIN_ENDINGS[g][case]], MIXED
+    if det == "":
+        return [], STRONG
+    raise ValueError(f"unknown determiner {det!r}")
+
+
+def _de_noun(noun: Noun, plural: bool, case: str) -> str:
+    """The German noun in its case: dative plurals in -n, weak masculines oblique (den Jungen)."""
+    if not plural:
+        return noun.de_obl if (noun.de_obl and case != "nom") else noun.de
+    if case == "dat" and not noun.de_pl.endswith(("n", "s")):
+        return noun.de_pl + "n"  # dative plural: den Kindern, but den Autos
+    return noun.de_pl
 
 
 def render_pp(pp: PP, verb: str | None = None) -> tuple[str, str]:
@@ -674,34 +689,49 @@ def render_clause(clause: Clause, order: str = "main") -> tuple[str, str]:
     v = _VERB_BY_EN[clause.verb]
     en_fin, de_fin = conjugate(clause.verb, clause.subj)
     en_subj, de_subj = render_np(clause.subj, "nom")
+    en = _en_subject_verb(clause, v, order, en_subj, en_fin)
+    if v.kind != "cop":
+        en += _en_complements(clause, v)
+    de = _de_word_order(order, de_subj, de_fin, v.de_particle, _de_middle(clause, v))
+    return " ".join(en), " ".join(de)
 
-    # ---- English: S (do not) V IO O PP, or Do S V ... ? ----
+
+def _en_subject_verb(clause: Clause, v: Verb, order: str, subj: str, fin: str) -> list[str]:
+    """English subject and verb group: "the dog is not old", "does the dog (not) see", "he sees"."""
+    neg = ["not"] if clause.neg else []
     if v.kind == "cop":
-        pred = [_ADJ_BY_EN[clause.adj].en]
-        neg = ["not"] if clause.neg else []
-        en = ([en_fin, en_subj] if order == "question" else [en_subj, en_fin]) + neg + pred
-    else:
-        agr = agreement(clause.subj)
-        if clause.neg or order == "question":
-            aux = "does" if agr == "3sg" else "do"
-            neg = ["not"] if clause.neg else []
-            en = ([aux, en_subj] + neg if order == "question" else [en_subj, aux] + neg) + [v.en]
-        else:
-            en = [en_subj, en_fin]
-        if clause.iobj:
-            en.append(render_np(clause.iobj, "dat")[0])
-        if clause.obj:
-            en_obj = render_np(clause.obj, "acc")[0]
-            if v.en_particle and clause.obj.is_pronoun:
-                en += [en_obj, v.en_particle]  # "picks him up"
-            else:
-                en += [v.en_particle, en_obj] if v.en_particle else [en_obj]
-        elif v.en_particle:
-            en.append(v.en_particle)
-        if clause.pp:
-            en.append(render_pp(clause.pp, clause.verb)[0])
+        head = [fin, subj] if order == "question" else [subj, fin]
+        return head + neg + [_ADJ_BY_EN[clause.adj].en]
+    if not (clause.neg or order == "question"):
+        return [subj, fin]
+    # do-support: negation and questions take "do"/"does" and the bare verb
+    aux = "does" if agreement(clause.subj) == "3sg" else "do"
+    head = [aux, subj] if order == "question" else [subj, aux]
+    return head + neg + [v.en]
 
-    # ---- German: the middle field is the same in every order ----
+
+def _en_complements(clause: Clause, v: Verb) -> list[str]:
+    """English words after a full verb: indirect object, object with the particle, PP."""
+    words = [render_np(clause.iobj, "dat")[0]] if clause.iobj else []
+    words += _en_object(clause.obj, v.en_particle)
+    if clause.pp:
+        words.append(render_pp(clause.pp, clause.verb)[0])
+    return words
+
+
+def _en_object(obj: NP | None, particle: str) -> list[str]:
+    """English object and verb particle: "picks up the ball", but "picks him up"."""
+    if not obj:
+        return [particle] if particle else []
+    en_obj = render_np(obj, "acc")[0]
+    if not particle:
+        return [en_obj]
+    return [en_obj, particle] if obj.is_pronoun else [particle, en_obj]
+
+
+def _de_middle(clause: Clause, v: Verb) -> list[str]:
+    """The German middle field, the same in every word order: objects, negation, PP, adjective."""
+    # a negated indefinite object takes "kein" instead of "nicht": "sieht keinen Hund"
     use_kein = clause.neg and clause.obj is not None and clause.obj.indefinite
     middle: list[str] = []
     if clause.iobj:
@@ -714,12 +744,16 @@ def render_clause(clause: Clause, order: str = "main") -> tuple[str, str]:
         middle.append(render_pp(clause.pp, clause.verb)[1])
     if v.kind == "cop":
         middle.append(_ADJ_BY_EN[clause.adj].de)
+    return middle
+
+
+def _de_word_order(order: str, subj: str, fin: str, particle: str, middle: list[str]) -> list[str]:
+    """German subject and finite verb around the middle field: S V ... (main), V S ... (inverted,
+    question) or S ... V (sub, where a separable particle joins the verb)."""
     if order == "sub":
-        de = [de_subj] + middle + [v.de_particle + de_fin]  # weil ... anruft
-    else:
-        head = [de_subj, de_fin] if order == "main" else [de_fin, de_subj]
-        de = head + middle + ([v.de_particle] if v.de_particle else [])
-    return " ".join(en), " ".join(de)
+        return [subj] + middle + [particle + fin]  # weil ... anruft
+    head = [subj, fin] if order == "main" else [fin, subj]
+    return head + middle + ([particle] if particle else [])
 
 
 def _capitalize(s: str) -> str:
