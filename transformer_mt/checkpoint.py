@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -71,6 +71,22 @@ def copy_checkpoint(src: Path, dst: Path) -> None:
             f"cannot write checkpoint {dst}: {e.strerror or e}; "
             "the previous file at that path is intact"
         ) from None
+
+
+def resume_path(run_dir: Path, resume: str | Path | bool | None) -> Path | None:
+    """The checkpoint to resume from; refuses to start over a run that has checkpoints."""
+    last = run_dir / "checkpoints" / "last.pt"
+    if resume is None or resume is False:
+        if last.exists():
+            raise UserError(
+                f"{run_dir} already holds a run (checkpoints/last.pt): add --resume to "
+                "continue it, or set another output_dir (or delete the folder) to start over"
+            )
+        return None
+    path = last if resume is True else Path(resume)
+    if not path.is_file():
+        raise CheckpointError(f"cannot resume: checkpoint not found: {path}")
+    return path
 
 
 def weights_only_error(path: Path) -> CheckpointError:
@@ -247,6 +263,14 @@ def restore_training(
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     scaler.load_state_dict(ckpt.get("scaler", {}))
+    state = ckpt["train_state"]
+    log.info(
+        "resumed from %s: step %d, epoch %d, batch %d of the epoch",
+        path,
+        state["step"],
+        state["epoch"],
+        state["batch_in_epoch"],
+    )
     return ckpt
 
 
@@ -359,8 +383,11 @@ def average_run(
     last: int = 0,
     best: int = 0,
     output: str | os.PathLike | None = None,
+    validate: Callable[[dict[str, Any]], dict[str, float]] | None = None,
 ) -> tuple[Path, list[int]]:
-    """`tmt average`: average the newest `last` (or the `best` best-validating) step checkpoints."""
+    """`tmt average`: average the newest `last` (or the `best` best-validating) step checkpoints.
+    `validate` (the end of a training run) scores the averaged checkpoint; its metrics are saved in
+    it."""
     paths = step_checkpoints(run_dir)
     n = last or best
     if len(paths) < 2 or n < 2:
@@ -387,6 +414,40 @@ def average_run(
             )
         chosen = sorted(sorted(scores, key=scores.get)[-n:], key=step_of)
     averaged = average_checkpoints(chosen)
+    if validate is not None:
+        averaged["metrics"] = validate(averaged)
     out = Path(output) if output else Path(run_dir, "checkpoints", "averaged.pt")
     save_checkpoint(out, averaged)
     return out, averaged["averaged_steps"]
+
+
+def average_last(
+    run_dir: Path,
+    n: int,
+    validate: Callable[[dict[str, Any]], dict[str, float]],
+    best_score: float,
+) -> None:
+    """At the end of training (train.average_last): average the newest n step checkpoints into
+    averaged.pt (average_run), with the metrics `validate` gives its weights; it becomes best.pt if
+    it validates better than `best_score`."""
+    found = len(step_checkpoints(run_dir)[-n:])
+    if found < 2:
+        log.warning(
+            "train.average_last=%d: only %d step checkpoint(s) to average; skipped", n, found
+        )
+        return
+    metrics: dict[str, float] = {}
+    path, steps = average_run(
+        run_dir, last=n, validate=lambda w: metrics.update(validate(w)) or metrics
+    )
+    current = validation_score(metrics)
+    better = current is not None and current > best_score
+    if better:
+        copy_checkpoint(path, path.with_name("best.pt"))  # serialised once
+    log.info(
+        "averaged %d checkpoints (steps %s): valid %s%s",
+        len(steps),
+        ", ".join(map(str, steps)),
+        " ".join(f"{k} {v:.2f}" for k, v in metrics.items()),
+        " (best: now best.pt)" if better else "",
+    )

@@ -45,9 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Everything goes to the config's output_dir: config.yaml, spm*.model, "
         "checkpoints/{last,best,step_N}.pt and TensorBoard events under tb/.",
     )
-    p.add_argument(
-        "config", help="YAML config file (see configs/ and the README's config reference)"
-    )
+    p.add_argument("config", help="YAML config file (see configs/ and docs/config.md)")
     p.add_argument(
         "--resume",
         nargs="?",
@@ -71,14 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
-    """translate, evaluate, score and average: the commands that use a trained model."""
+    """The commands that use a trained model."""
     _add_translate_parser(sub)
+    _add_evaluate_parser(sub)
+    _add_score_parser(sub)
+    _add_serve_parser(sub)
+    _add_export_parser(sub)
+    _add_average_parser(sub)
+
+
+def _add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "evaluate",
         help="translate a test set and print sacreBLEU BLEU, chrF and TER",
         description="Translate the run's test split (from its saved config), or --src, and score "
-        "it against the references with sacreBLEU; hypotheses are written next to "
-        "the checkpoint.",
+        "it against the references with sacreBLEU; hypotheses are written next to the "
+        "checkpoint.",
     )
     _add_model_flags(p)
     p.add_argument(
@@ -99,8 +105,8 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (bleu, chrf, ter, signature, "
-        "tokenized_bleu, comparison, hypotheses_path, ...) instead of text",
+        help="print one JSON object (bleu, chrf, ter, signature, tokenized_bleu, comparison, "
+        "hypotheses_path, ...) instead of text",
     )
     p.add_argument(
         "--compare",
@@ -108,10 +114,9 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="OTHER",
         help="compare with other systems: hypothesis files, or checkpoints/runs (translated the "
-        "same "
-        "way); prints each system's BLEU and chrF with its 95%% interval, the difference to this "
-        "one and the p-value of sacreBLEU's paired bootstrap resampling (1,000 samples, seed "
-        "12345)",
+        "same way); prints each system's BLEU and chrF with its 95%% interval, the "
+        "difference to this one and the p-value of sacreBLEU's paired bootstrap resampling "
+        "(1,000 samples, seed 12345)",
     )
     p.add_argument(
         "--paired-ar",
@@ -128,10 +133,12 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
         "--tokenize",
         choices=sorted(_bleu_tokenizers()),
         metavar="NAME",
-        help="sacreBLEU's BLEU tokenizer (default: from the target language as sacreBLEU does: zh, "
-        "ja-mecab, ko-mecab, else 13a)",
+        help="sacreBLEU's BLEU tokenizer (default: from the target language as sacreBLEU does: "
+        "zh, ja-mecab, ko-mecab, else 13a)",
     )
 
+
+def _add_score_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "score",
         help="score given translations by forced decoding (log-probabilities, perplexity)",
@@ -155,16 +162,14 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
         choices=["text", "jsonl"],
         default="text",
         help="text: one log-probability per line; jsonl: one JSON object per line with source, "
-        "target, "
-        "logprob, tokens and token_logprobs (default: text)",
+        "target, logprob, tokens and token_logprobs (default: text)",
     )
     p.add_argument(
         "--output", "-o", metavar="FILE", help="write the scores to FILE (default: stdout)"
     )
 
-    _add_serve_parser(sub)
-    _add_export_parser(sub)
 
+def _add_average_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "average",
         help="average the weights of a run's step checkpoints",
@@ -194,12 +199,11 @@ def _add_inference_parsers(sub: argparse._SubParsersAction) -> None:
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from .serve import Limits
 
-    d = Limits()
     p = sub.add_parser(
         "serve",
         help="serve a model: a JSON API and a web page (the [serve] extra)",
-        description="A translation server on Starlette/uvicorn: POST /translate, POST /score, "
-        "GET /health, GET /info, and a page at /. Concurrent requests are batched "
+        description="A translation server on Starlette/uvicorn: POST /translate, POST /score, GET "
+        "/health, GET /info, and a page at /. Concurrent requests are batched "
         "together; the model runs in one worker thread. SIGTERM or Ctrl-C stops "
         "accepting, finishes the requests in flight, then exits.",
     )
@@ -211,6 +215,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "interface)",
     )
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    _add_serve_limits(p, Limits())
+
+
+def _add_serve_limits(p: argparse.ArgumentParser, d: Any) -> None:
+    """What one request and one model call may cost (serve.Limits, whose defaults these are)."""
     p.add_argument(
         "--max-body",
         type=_positive_int,
@@ -241,6 +250,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="a request not answered within this gets 504, and its work is dropped (default: "
         f"{d.deadline:g})",
     )
+    _add_serve_work_limits(p, d)
+
+
+def _add_serve_work_limits(p: argparse.ArgumentParser, d: Any) -> None:
+    """How the model's worker batches requests, and what one model call may cost."""
     p.add_argument(
         "--batch-wait",
         type=float,
@@ -255,8 +269,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.max_work,
         metavar="STEPS",
         help="most decoding steps one request may cost (each line: beam x its output budget, "
-        "weighted by "
-        f"the positions attended); more gets 413 (default: {d.max_work})",
+        f"weighted by the positions attended); more gets 413 (default: {d.max_work})",
     )
     p.add_argument(
         "--batch-work",
@@ -264,9 +277,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.batch_work,
         metavar="STEPS",
         help="most decoding steps of one model call, and so of one line: long requests are served "
-        "in "
-        "chunks of this size between other requests, so a new short request waits for one chunk "
-        f"at most (default: {d.batch_work})",
+        "in chunks of this size between other requests, so a new short request waits for one "
+        f"chunk at most (default: {d.batch_work})",
     )
     p.add_argument(
         "--batch-lines",
@@ -280,8 +292,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         type=_positive_int,
         metavar="N",
         help="CPU threads of the model (default: one less than the cores, so that the HTTP side "
-        "keeps "
-        "one; OMP_NUM_THREADS, when set, decides instead)",
+        "keeps one; OMP_NUM_THREADS, when set, decides instead)",
     )
 
 
@@ -292,9 +303,9 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         "export",
         help="export a checkpoint for CTranslate2 (the [ct2] extra)",
         description="Convert a checkpoint (or a run directory's best) into a CTranslate2 model "
-        "directory: model.bin, vocabularies, the SentencePiece model(s), the run's config "
-        "and a README. `tmt translate/evaluate/score/serve --engine ctranslate2 -c DIR` "
-        "then decode with it.",
+        "directory: model.bin, vocabularies, the SentencePiece model(s), the run's "
+        "config and a README. `tmt translate/evaluate/score/serve --engine "
+        "ctranslate2 -c DIR` then decode with it.",
     )
     p.add_argument(
         "checkpoint_pos",
@@ -339,9 +350,9 @@ def _add_model_flags(p: argparse.ArgumentParser, *, decoding: bool = True) -> No
         metavar="PATH",
         action="append",
         help="checkpoint file, or run directory (uses its best, else last, checkpoint); default: "
-        "the "
-        "best checkpoint of the most recently trained run under ./runs/. Give it more than once "
-        "to decode with an ensemble (the mean of the models' probabilities; one vocabulary)",
+        "the best checkpoint of the most recently trained run under ./runs/. Give it more "
+        "than once to decode with an ensemble (the mean of the models' probabilities; one "
+        "vocabulary)",
     )
     if decoding:
         _add_search_flags(p)
@@ -355,21 +366,19 @@ def _add_model_flags(p: argparse.ArgumentParser, *, decoding: bool = True) -> No
         "--precision",
         choices=["auto", "fp32", "bf16", "fp16", "int8"],
         help="dtype to decode in (default: the precision the run trained in, as its checkpoint "
-        "records "
-        "it: train.precision auto's choice; bf16-output runs decode in fp32; bf16/fp16 decode with "
-        "the whole model in that dtype; fp16 only on CUDA, elsewhere it decodes in fp32; int8: "
-        "dynamic int8 quantization of the linear layers, CPU only). With --engine ctranslate2 it "
-        "is "
-        "CTranslate2's compute type (default: as the export stores its weights)",
+        "records it: train.precision auto's choice; bf16-output runs decode in fp32; "
+        "bf16/fp16 decode with the whole model in that dtype; fp16 only on CUDA, elsewhere "
+        "it decodes in fp32; int8: dynamic int8 quantization of the linear layers, CPU "
+        "only). With --engine ctranslate2 it is CTranslate2's compute type (default: as the "
+        "export stores its weights)",
     )
     p.add_argument(
         "--engine",
         choices=["torch", "ctranslate2"],
         default="torch",
-        help="torch: our PyTorch model (default); ctranslate2: CTranslate2 (the [ct2] extra), from "
-        "a "
-        "`tmt export` directory given to --checkpoint, or a checkpoint/run exported on the fly "
-        "(once, into the run's ct2-cache/); no --alignment or attention plots",
+        help="torch: our PyTorch model (default); ctranslate2: CTranslate2 (the [ct2] extra), "
+        "from a `tmt export` directory given to --checkpoint, or a checkpoint/run exported "
+        "on the fly (once, into the run's ct2-cache/); no --alignment or attention plots",
     )
 
 
@@ -404,9 +413,10 @@ def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
         help="translate text with a trained model (stdin to stdout by default)",
         description="Translate one sentence per line. Output lines match input lines one to one "
         "(an empty input line gives an empty output line; lines end at \\n only). "
-        "Input is read and written in chunks, so any length streams in bounded memory; "
-        "typed at a terminal, each line is translated as soon as Enter is pressed. "
-        "Invalid UTF-8 is replaced by U+FFFD, with one warning that counts the lines.",
+        "Input is read and written in chunks, so any length streams in bounded "
+        "memory; typed at a terminal, each line is translated as soon as Enter is "
+        "pressed. Invalid UTF-8 is replaced by U+FFFD, with one warning that counts "
+        "the lines.",
     )
     _add_model_flags(p)
     p.add_argument(
@@ -428,36 +438,39 @@ def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
         choices=["text", "jsonl", "nbest"],
         default="text",
         help="text: the best translation, one line per input line; jsonl: one JSON object per "
-        "input "
-        "line {source, hypotheses: [{text, score, logprob, tokens, token_logprobs, alignment}]}; "
-        "nbest: Moses n-best lines `i ||| text ||| logprob=L ||| score` (default: text)",
+        "input line {source, hypotheses: [{text, score, logprob, tokens, token_logprobs, "
+        "alignment}]}; nbest: Moses n-best lines `i ||| text ||| logprob=L ||| score` "
+        "(default: text)",
     )
     p.add_argument(
         "--alignment",
         action="store_true",
         help="word alignment (Pharaoh `src-tgt` pairs) from the cross-attention of the last "
-        "decoder "
-        "layer, its heads averaged: each target word goes to the source word it attends to most. "
-        "text format: `translation ||| 0-0 1-2 ...`",
+        "decoder layer, its heads averaged: each target word goes to the source word it "
+        "attends to most. text format: `translation ||| 0-0 1-2 ...`",
     )
     p.add_argument(
         "--plot-attention",
         metavar="DIR",
         help="write DIR/N.png for input line N: source words x target words of the alignment's "
-        "attention, with a colour bar (needs the [plot] extra: pip install 'transformer-mt[plot]')",
+        "attention, with a colour bar (needs the [plot] extra: pip install "
+        "'transformer-mt[plot]')",
     )
     p.add_argument(
         "--plot-all-heads",
         action="store_true",
         help="with --plot-attention: a grid of every decoder layer and head, over pieces",
     )
+    _add_sampling_flags(p)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sampling",
         type=_sampling,
         metavar="topk:K|topp:P",
         help="sample each token instead of searching: from the K most likely (topk:0 = all), or "
-        "from "
-        "the smallest set holding probability P (topp:0.9); for back-translation",
+        "from the smallest set holding probability P (topp:0.9); for back-translation",
     )
     p.add_argument(
         "--temperature",
@@ -505,7 +518,8 @@ def _positive_int(text: str) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .train import TrainingInterrupted, train
+    from .errors import TrainingInterrupted
+    from .train import train
 
     try:
         summary = train(load_config(args.config, args.overrides), resume=args.resume)
@@ -529,13 +543,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     # fails before loading if the extra is missing
     plot = _attention_plotter(args.plot_attention, args.plot_all_heads)
     translator = load_translator(
-        args.checkpoint,
-        device=args.device,
-        precision=args.precision,
-        beam=args.beam,
-        alpha=args.alpha,
-        max_len=args.max_len,
-        engine=args.engine,
+        args.checkpoint, device=args.device, precision=args.precision, engine=args.engine
     )
     if args.sampling is None and (args.temperature != 1.0 or args.seed is not None):
         raise UserError("--temperature and --seed go with --sampling topk:K or topp:P")
@@ -553,6 +561,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
                 lines,
                 chunk=1 if interactive else 2000,
                 beam=args.beam,
+                alpha=args.alpha,
+                max_len=args.max_len,
                 nbest=args.nbest,
                 sampling=sampling,
                 alignment=args.alignment,
@@ -738,8 +748,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(_comparison_table(result["comparison"]))
     print(
         f"{result['sentences']} sentences, beam {result['beam']}, {result['sentences_per_second']} "
-        "sent/s; "
-        f"hypotheses in {result['hypotheses_path']}",
+        f"sent/s; hypotheses in {result['hypotheses_path']}",
         file=sys.stderr,
     )
     return 0
@@ -748,8 +757,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def _comparison_table(c: dict) -> str:
     lines = [
         f"Comparison: {c['method']}, {c['samples']} samples, seed {c['seed']}; p: the chance of a "
-        "difference "
-        "this large if the systems were equal"
+        "difference this large if the systems were equal"
     ]
     for metric, m in c["metrics"].items():
         lines.append(f"{metric}  ({m['signature']})")

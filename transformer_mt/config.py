@@ -238,7 +238,8 @@ class DecodeConfig:
     max_len_a: float = 1.5  # output at most a * |src| + b tokens
     max_len_b: int = 10
     # Per decoding batch: n_sentences x beam x (longest source + 1), the source positions the beam's
-    # hypotheses attend to. (Called decode.max_tokens before; that name still loads.)
+    # hypotheses attend to; inference.py cuts every batch of both engines by it (scoring: beam 1).
+    # (Called decode.max_tokens before; that name still loads.)
     max_src_tokens: int = 8192
 
     def __post_init__(self) -> None:
@@ -279,8 +280,7 @@ class Config:
             self.data.max_len + 1 <= self.model.max_positions,
             "data.max_len",
             f"({self.data.max_len}) + 1 must be <= model.max_positions "
-            f"({self.model.max_positions}): "
-            "lower data.max_len or raise model.max_positions",
+            f"({self.model.max_positions}): lower data.max_len or raise model.max_positions",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -358,8 +358,8 @@ def _build(cls: type, raw: Any, prefix: str, source: str, lines: dict[str, int])
     where = _where(source, lines, prefix)
     if not isinstance(raw, dict):
         raise ConfigError(
-            f"config error: {where}{prefix.rstrip('.') or 'config'} must be a mapping, "
-            f"got {type(raw).__name__}"
+            f"config error: {where}{prefix.rstrip('.') or 'config'} must be a mapping, got "
+            f"{type(raw).__name__}"
         )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -412,8 +412,8 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(
-                f"config error: {where}{key} must be one of {', '.join(map(str, args))}, "
-                f"got {value!r}{hint}"
+                f"config error: {where}{key} must be one of {', '.join(map(str, args))}, got "
+                f"{value!r}{hint}"
             )
         return value
     if origin is tuple:

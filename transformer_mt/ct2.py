@@ -9,7 +9,6 @@ same space (scripts/ct2_agreement.py counts the identical outputs).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from .checkpoint import resolve_checkpoint, run_dir_of
 from .config import ConfigError, load_config
+from .decoding import DecodeOptions, Engine
 from .export import (
     MANIFEST,
     ExportError,
@@ -27,8 +27,7 @@ from .export import (
     import_ctranslate2,
     is_export,
 )
-from .search import Cancelled, Sampling, length_penalty, max_output_len
-from .translate import BaseTranslator, Scored, Translation, decode_overrides
+from .search import Cancelled, Hypothesis, Sampling, StopCheck, length_penalty, max_output_len
 from .vocab import BOS, EOS, PAD
 
 # pieces without EOS, log P (None: not known yet), per token
@@ -43,11 +42,11 @@ COMPUTE_TYPES = {
 }
 
 
-class CT2Translator(BaseTranslator):
-    """A CTranslate2 translator over an export directory; translate() and score() as `Translator`'s
-    (no attention or alignment: those need our engine)."""
+class CT2Engine(Engine):
+    """CTranslate2 over an export directory, behind the same interface as our engine (no attention
+    or alignment: those need ours)."""
 
-    engine = "ctranslate2"
+    name = "ctranslate2"
 
     def __init__(
         self,
@@ -55,9 +54,6 @@ class CT2Translator(BaseTranslator):
         *,
         device: str = "auto",
         precision: str | None = None,
-        beam: int | None = None,
-        alpha: float | None = None,
-        max_len: Sequence[float] | None = None,
         threads: int = 0,
     ):
         """precision: the compute type (fp32, bf16, fp16, int8; default: as the export stores its
@@ -66,13 +62,10 @@ class CT2Translator(BaseTranslator):
         self.directory = Path(directory)
         manifest = json.loads((self.directory / MANIFEST).read_text())
         self.config = load_config(self.directory / "tmt_config.yaml")
-        self.decode = decode_overrides(self.config.decode, beam=beam, alpha=alpha, max_len=max_len)
         self.tokenizer = export_tokenizer(self.directory, manifest)
         self.checkpoint, self.step = self.directory / "model.bin", manifest.get("step")
-        self.max_positions, self.parameters = (
-            manifest["max_positions"],
-            manifest.get("parameters", 0),
-        )
+        self.max_positions = manifest["max_positions"]
+        self.parameters = manifest.get("parameters", 0)
         self.device = _device(ct2, device)
         compute = COMPUTE_TYPES[precision]
         supported = ct2.get_supported_compute_types(self.device)
@@ -91,75 +84,56 @@ class CT2Translator(BaseTranslator):
         )
         self._specials = [self.tokenizer.tgt.id_to_piece(PAD), self.tokenizer.tgt.id_to_piece(BOS)]
 
-    def translate(
+    def search(
         self,
-        lines: Sequence[str],
+        ids: list[list[int]],
+        options: DecodeOptions,
         *,
-        beam: int | None = None,
-        nbest: int = 1,
-        attention: bool = False,
-        alignment: bool = False,
-        sampling: Sampling | None = None,
         generator: torch.Generator | None = None,
+        should_stop: StopCheck = None,
         token_scores: bool = True,
-        alpha: float | None = None,
-        max_len: Sequence[float] | None = None,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> list[list[Translation]]:
-        """The `nbest` best translations of each line, best first. token_scores=False leaves
-        token_logprobs empty and skips the scoring pass that computes them. alpha and max_len
-        override the decode settings for this call; should_stop is asked before the search and
-        before each scoring pass (CTranslate2 searches in one call) and True raises
-        search.Cancelled."""
-        if attention or alignment:
-            raise ConfigError("attention and alignment need our engine: drop --engine ctranslate2")
-        # a shallow copy with this call's settings shares the model
-        if alpha is not None or max_len is not None:
-            call = copy.copy(self)
-            call.decode = decode_overrides(self.decode, alpha=alpha, max_len=max_len)
-            return call.translate(
-                lines,
-                beam=beam,
-                nbest=nbest,
-                sampling=sampling,
-                generator=generator,
-                token_scores=token_scores,
-                should_stop=should_stop,
-            )
+    ) -> list[list[Hypothesis]]:
+        """Our search's hypotheses, as CTranslate2 finds them. token_scores=False leaves
+        token_logprobs empty and skips the scoring pass that computes them. should_stop is asked
+        before the search and before each scoring pass (CTranslate2 searches in one call). A
+        sampling seed was set by seeded_generator (the generator itself is ours only)."""
         stop = should_stop or (lambda: False)
-        beam = self._beam(beam, nbest, sampling)
-        if sampling is not None and sampling.seed is not None and generator is None:
-            import_ctranslate2().set_random_seed(sampling.seed)
-        ids = [
-            s[: self.max_positions - 1]
-            for s in self.tokenizer.encode_src([x.strip() for x in lines])
-        ]
-        live = [i for i in range(len(ids)) if ids[i]]
-        d = self.decode  # our search's per-sentence output budget, for the source's pieces plus EOS
+        # our search's per-sentence output budget, for the source's pieces plus EOS
         budgets = max_output_len(
-            torch.tensor([len(ids[i]) + 1 for i in live], dtype=torch.long),
-            d.max_len_a,
-            d.max_len_b,
+            torch.tensor([len(x) + 1 for x in ids], dtype=torch.long),
+            options.max_len_a,
+            options.max_len_b,
             self.max_positions,
         ).tolist()
         _stop_if(stop)
-        found = dict(zip(live, self._search([ids[i] for i in live], budgets, beam, sampling)))
+        found = dict(enumerate(self._search(ids, budgets, options)))
         _stop_if(stop)
         # Hypotheses the budget cut are scored (with EOS) to be ranked; then, when asked for, the
         # ones kept get per-token log-probabilities: at most two scoring passes, the second over the
         # n-best only.
         self._rescore(ids, found, lambda h: h[1] is None)
         found = {
-            i: sorted(hyps, key=lambda h: -self._rank(h[0], h[1], beam, sampling))[:nbest]
+            i: sorted(hyps, key=lambda h: -_rank(h[0], h[1], options))[: options.nbest]
             for i, hyps in found.items()
         }
         if token_scores:
             _stop_if(stop)
             self._rescore(ids, found, lambda h: True)
-        out = [[Translation("", [], 0.0, 0.0, [])] for _ in lines]
-        for i, hyps in found.items():
-            out[i] = [self._translation(p, lp, tl, beam, sampling) for p, lp, tl in hyps]
-        return out
+        piece_to_id = self.tokenizer.tgt.piece_to_id
+        return [
+            [Hypothesis(piece_to_id(list(p)), lp, _rank(p, lp, options), tl) for p, lp, tl in hyps]
+            for _, hyps in sorted(found.items())
+        ]
+
+    def score(self, src_ids: list[list[int]], tgt_ids: list[list[int]]) -> list[list[float]]:
+        """Forced decoding by CTranslate2's score_batch."""
+        return self._score(src_ids, [self.tokenizer.tgt.id_to_piece(t) for t in tgt_ids])
+
+    def seeded_generator(self, sampling: Sampling) -> torch.Generator:
+        """CTranslate2 is seeded once per call or stream (search() then leaves the seed alone)."""
+        if sampling.seed is not None:
+            import_ctranslate2().set_random_seed(sampling.seed)
+        return torch.Generator()
 
     def _rescore(
         self, ids: list[list[int]], found: dict[int, list[Hyp]], which: Callable[[Hyp], bool]
@@ -172,32 +146,11 @@ class CT2Translator(BaseTranslator):
         ):
             found[i][k] = (found[i][k][0], sum(lp), lp)
 
-    def _stream_generator(self, sampling: Sampling) -> torch.Generator:
-        """A stream seeds CTranslate2 once (translate() then leaves the seed alone)."""
-        if sampling.seed is not None:
-            import_ctranslate2().set_random_seed(sampling.seed)
-        return torch.Generator()
-
-    def translate_text(self, lines: Sequence[str], *, beam: int | None = None) -> list[str]:
-        """One output line per input line, without the scoring pass for per-token
-        log-probabilities."""
-        return [hyps[0].text for hyps in self.translate(lines, beam=beam, token_scores=False)]
-
-    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
-        """Forced decoding by CTranslate2's score_batch: log P(target | source) with per-token
-        log-probabilities."""
-        src_ids, tgt_ids = self._encode_pairs(sources, targets)
-        logps = self._score(src_ids, [self.tokenizer.tgt.id_to_piece(t) for t in tgt_ids])
-        return [
-            Scored(s, t, sum(lp), self.tokenizer.tgt.id_to_piece(ids), lp)
-            for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)
-        ]
-
     # -----------------------------------------------------------------------------------------
     # internals
 
     def _search(
-        self, ids: list[list[int]], budgets: list[int], beam: int, sampling: Sampling | None
+        self, ids: list[list[int]], budgets: list[int], decode: DecodeOptions
     ) -> list[list[Hyp]]:
         """(pieces, log-probability or None, []) of each source's hypotheses, within its own length
         budget.
@@ -210,7 +163,8 @@ class CT2Translator(BaseTranslator):
         (patience 2: no search of ours finishes more than 2 x beam - 1 within the budget), to the
         budget and to one token less: the cut hypotheses of the second are the live ones our last
         step ends. See _penalty for what can still differ."""
-        lp = _penalty(self.decode.alpha)
+        beam, sampling = decode.beam, decode.sampling
+        lp = _penalty(decode.alpha)
         options: dict[str, Any] = dict(
             beam_size=beam,
             num_hypotheses=beam,
@@ -218,9 +172,7 @@ class CT2Translator(BaseTranslator):
             return_scores=True,
             return_end_token=True,
             min_decoding_length=0,
-            max_input_length=0,
-            batch_type="tokens",
-            max_batch_size=max(1, self.decode.max_src_tokens // beam),
+            max_input_length=0,  # inference.py cut the batch: decoded as it is, as ours decodes it
         )
         if sampling is not None:
             options.update(
@@ -305,37 +257,14 @@ class CT2Translator(BaseTranslator):
 
     def _score(self, src_ids: list[list[int]], tgt_pieces: list[list[str]]) -> list[list[float]]:
         src = [self.tokenizer.src.id_to_piece(x) for x in src_ids]
-        results = self.model.score_batch(
-            src,
-            tgt_pieces,
-            max_batch_size=self.decode.max_src_tokens,
-            batch_type="tokens",
-            max_input_length=0,
-        )
+        results = self.model.score_batch(src, tgt_pieces, max_input_length=0)
         return [list(r.log_probs) for r in results]
 
-    def _rank(
-        self, pieces: list[str], logprob: float, beam: int, sampling: Sampling | None
-    ) -> float:
-        """What ranks a hypothesis, as in our search: log P / lp(|Y| + 1) under beam search, else
-        log P."""
-        return (
-            logprob / length_penalty(len(pieces) + 1, self.decode.alpha)
-            if beam > 1 and sampling is None
-            else logprob
-        )
 
-    def _translation(
-        self,
-        pieces: list[str],
-        logprob: float,
-        token_logprobs: list[float],
-        beam: int,
-        sampling: Sampling | None,
-    ) -> Translation:
-        score = self._rank(pieces, logprob, beam, sampling)
-        text = self.tokenizer.decode_tgt([self.tokenizer.tgt.piece_to_id(list(pieces))])[0]
-        return Translation(text, list(pieces), logprob, score, token_logprobs)
+def _rank(pieces: list[str], logprob: float, options: DecodeOptions) -> float:
+    """What ranks a hypothesis, as in our search: log P / lp(|Y| + 1) under beam search, else
+    log P."""
+    return logprob / length_penalty(len(pieces) + 1, options.alpha) if options.searches else logprob
 
 
 def _stop_if(should_stop: Callable[[], bool]) -> None:
@@ -384,17 +313,14 @@ def _device(ct2: Any, device: str) -> str:
     return device
 
 
-def load_ct2_translator(
+def load_ct2_engine(
     checkpoint: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     *,
     device: str = "auto",
     precision: str | None = None,
-    beam: int | None = None,
-    alpha: float | None = None,
-    max_len: Sequence[float] | None = None,
-) -> CT2Translator:
-    """A CT2Translator for an export directory, or for a checkpoint / run directory (exported once,
-    as float32, into the run's ct2-cache/; CTranslate2 converts to the compute type on load)."""
+) -> CT2Engine:
+    """CTranslate2 for an export directory, or for a checkpoint / run directory (exported once, as
+    float32, into the run's ct2-cache/; CTranslate2 converts to the compute type on load)."""
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
         if len(checkpoint) > 1:
             raise ExportError(
@@ -407,6 +333,4 @@ def load_ct2_translator(
     else:
         path = resolve_checkpoint(checkpoint)
         directory = cached_export(path, run_dir_of(path) / "ct2-cache")
-    return CT2Translator(
-        directory, device=device, precision=precision, beam=beam, alpha=alpha, max_len=max_len
-    )
+    return CT2Engine(directory, device=device, precision=precision)

@@ -17,16 +17,16 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator, Sequence
+from typing import BinaryIO, Iterable, Iterator, Protocol, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
 import torch
 
-from .config import DataConfig
+from .config import Config, DataConfig, TrainConfig
 from .errors import UserError
 from .fileio import temp_dir
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, train_tokenizer
 from .vocab import BOS, EOS, PAD
 
 log = logging.getLogger("transformer_mt")
@@ -529,6 +529,51 @@ def usable_indices(corpus: TokenizedCorpus, max_len: int, split: str) -> np.ndar
     return keep
 
 
+# --------------------------------------------------------------------------- a run's data
+
+
+def prepare_tokenizer(cfg: Config, run_dir: Path) -> Tokenizer:
+    """Reuse the run's SentencePiece model if there is one; otherwise train it on the train
+    split."""
+    if Tokenizer.exists(run_dir):
+        return Tokenizer.load(run_dir)
+    log.info(
+        "training SentencePiece (%s, %d pieces, %s) on the training split",
+        cfg.tokenizer.type,
+        cfg.tokenizer.vocab_size,
+        "joint" if cfg.tokenizer.joint else "separate",
+    )
+    pairs = lambda: iter_split(cfg.data, "train")  # noqa: E731  streamed, twice
+    if next(pairs(), None) is None:
+        raise DataError("data.train: the corpus is empty")
+    tok = train_tokenizer(
+        cfg.tokenizer, (s for s, _ in pairs()), (t for _, t in pairs()), seed=cfg.train.seed
+    )
+    tok.save(run_dir)
+    return tok
+
+
+@dataclass
+class TrainingData:
+    """The tokenized splits and the pairs of each that the loop uses."""
+
+    train: TokenizedCorpus
+    train_idx: np.ndarray
+    valid: TokenizedCorpus | None = None
+    valid_idx: np.ndarray | None = None
+
+
+def prepare_data(cfg: Config, tokenizer: Tokenizer) -> TrainingData:
+    """Tokenize (or memory-map from the cache) the train and valid splits; drop unusable pairs."""
+    cache = cache_dir(cfg.data)
+    train = load_tokenized(cfg.data, "train", tokenizer, cache)
+    data = TrainingData(train, usable_indices(train, cfg.data.max_len, "train"))
+    if cfg.data.valid is not None:
+        data.valid = load_tokenized(cfg.data, "valid", tokenizer, cache)
+        data.valid_idx = usable_indices(data.valid, cfg.model.max_positions - 1, "valid")
+    return data
+
+
 # --------------------------------------------------------------------------- batching
 
 
@@ -614,6 +659,50 @@ def collate(corpus: TokenizedCorpus, indices: Sequence[int]) -> Batch:
     return Batch(
         pad_sources(srcs), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), n_tgt, n_src
     )
+
+
+class EpochPosition(Protocol):
+    """Where a stream of training batches stands (the training loop's state has these)."""
+
+    epoch: int
+    batch_in_epoch: int  # this rank's batches of the epoch already consumed
+
+
+class EpochBatches:
+    """The training batches of each epoch, and one rank's share of them from any point on."""
+
+    def __init__(self, data: TrainingData, tc: TrainConfig, rank: int = 0, world: int = 1):
+        self.data, self.tc, self.rank, self.world = data, tc, rank, world
+
+    def epoch(self, epoch: int) -> list[np.ndarray]:
+        """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of
+        the world size; rank r takes batches r, r + world, r + 2*world, ..."""
+        idx, world = self.data.train_idx, self.world
+        batches = make_batches(
+            self.data.train.src_lens[idx],
+            self.data.train.tgt_lens[idx],
+            self.tc.max_tokens,
+            seed=self.tc.seed,
+            epoch=epoch,
+        )
+        return [idx[b] for b in batches[: len(batches) // world * world]]
+
+    def stream(self, position: EpochPosition) -> Iterator[tuple[Batch, int]]:
+        """Endless stream of (this rank's batch, target tokens of that batch summed over all ranks)
+        from `position`, which it advances (batch_in_epoch counts this rank's batches)."""
+        tgt_lens, world = self.data.train.tgt_lens, self.world
+        while position.epoch <= self.tc.max_epochs:
+            batches = self.epoch(position.epoch)
+            while position.batch_in_epoch < len(batches) // world:
+                j = position.batch_in_epoch * world
+                group = batches[j : j + world]  # this step's batches of every rank
+                position.batch_in_epoch += 1
+                yield (
+                    collate(self.data.train, group[self.rank]),
+                    sum(int(tgt_lens[b].sum()) + len(b) for b in group),
+                )
+            position.epoch += 1
+            position.batch_in_epoch = 0
 
 
 def pad_sources(seqs: Sequence[Sequence[int]], max_len: int | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ rank 0 of 1, and every helper here is then a no-op.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("transformer_mt")
 
 
 @dataclass(frozen=True)
@@ -148,4 +151,8 @@ def restore_rng(d: Dist, saved: Any) -> bool:
         same = len(saved) == d.world
         saved = saved[d.rank % len(saved)]
     set_rng_state(saved)
+    if not same:
+        log.warning(
+            "resuming with %d processes from another number: random streams will differ", d.world
+        )
     return same

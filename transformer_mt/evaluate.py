@@ -1,17 +1,22 @@
 """`tmt evaluate`: translate a split or a file with a trained model and score it with sacreBLEU,
 beside the literature's tokenized BLEU, optionally against other systems with a paired significance
-test."""
+test; and training's validation (loss and BLEU on the valid split)."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .data import DataError, read_lines, read_split
-from .inference import load_translator
+import torch
+
+from .config import Config
+from .data import DataError, TrainingData, read_lines, read_split
+from .inference import Translator, load_translator
 from .metrics import ASIAN, compare, paper_bleu, score
-from .translate import BaseTranslator
+from .model import Transformer
+from .tokenizer import Tokenizer
 
 
 def evaluate(
@@ -52,7 +57,7 @@ def evaluate(
         engine=engine,
     )
     sources, references, name = _test_set(translator, src, refs)
-    d, path = translator.decode, translator.checkpoint
+    d, path = translator.defaults, translator.checkpoint
     start = time.perf_counter()
     hyps = translator.translate_text(sources)
     seconds = time.perf_counter() - start
@@ -64,20 +69,8 @@ def evaluate(
     )
     if lang not in ASIAN:  # Moses tokenization means nothing for these scripts
         result.update(paper_bleu(hyps, references, lang))
-    result.update(
-        checkpoint=str(path),
-        step=translator.step,
-        beam=d.beam,
-        alpha=d.alpha,
-        sentences=len(hyps),
-        decode_seconds=round(seconds, 2),
-        sentences_per_second=round(len(hyps) / max(seconds, 1e-9), 1),
-        max_len=[d.max_len_a, d.max_len_b],
-        precision=translator.precision,
-        engine=translator.engine,
-        hypotheses_path=str(hyp_path),
-        references=len(references),
-    )
+    result.update(_how(translator, len(hyps), seconds), hypotheses_path=str(hyp_path))
+    result["references"] = len(references)
     if others:
         systems = [(str(path), hyps)] + [
             (o, _hypotheses_of(o, sources, translator, device, precision)) for o in others
@@ -88,8 +81,25 @@ def evaluate(
     return result
 
 
+def _how(translator: Translator, sentences: int, seconds: float) -> dict[str, Any]:
+    """What was decoded, with what and how fast: the facts beside the scores."""
+    d = translator.defaults
+    return {
+        "checkpoint": str(translator.checkpoint),
+        "step": translator.step,
+        "beam": d.beam,
+        "alpha": d.alpha,
+        "sentences": sentences,
+        "decode_seconds": round(seconds, 2),
+        "sentences_per_second": round(sentences / max(seconds, 1e-9), 1),
+        "max_len": [d.max_len_a, d.max_len_b],
+        "precision": translator.precision,
+        "engine": translator.name,
+    }
+
+
 def _test_set(
-    translator: BaseTranslator, src: Optional[str], refs: list[str]
+    translator: Translator, src: Optional[str], refs: list[str]
 ) -> tuple[list[str], list[list[str]], str]:
     """Sources, one or more reference streams, and a name for the hypothesis file."""
     if src is None:
@@ -106,7 +116,7 @@ def _test_set(
 def _hypotheses_of(
     other: str,
     sources: list[str],
-    translator: BaseTranslator,
+    translator: Translator,
     device: str,
     precision: Optional[str],
 ) -> list[str]:
@@ -114,7 +124,7 @@ def _hypotheses_of(
     ours."""
     path = Path(other)
     if path.is_dir() or path.suffix == ".pt":
-        d = translator.decode
+        d = translator.defaults
         return load_translator(
             other,
             device=device,
@@ -122,7 +132,7 @@ def _hypotheses_of(
             beam=d.beam,
             alpha=d.alpha,
             max_len=(d.max_len_a, d.max_len_b),
-            engine=translator.engine,
+            engine=translator.name,
         ).translate_text(sources)
     lines = read_lines(path)
     if len(lines) != len(sources):
@@ -130,3 +140,32 @@ def _hypotheses_of(
             f"--compare {other} has {len(lines)} lines but the test set has {len(sources)}"
         )
     return lines
+
+
+def validation_metrics(
+    model: Transformer,
+    data: TrainingData,
+    refs: list[str] | None,
+    tokenizer: Tokenizer,
+    cfg: Config,
+    precision: str,
+    device: torch.device,
+) -> dict[str, float]:
+    """Training's validation: loss and perplexity (forced scoring of the usable pairs) and, given
+    `refs`, the BLEU of every source's translation, through the inference layer in the run's
+    precision; empty without a valid split. The model is left in training mode."""
+    if data.valid is None:
+        return {}
+    model.eval()
+    translator = Translator.for_model(model, tokenizer, cfg.decode, precision, device)
+    valid, idx = data.valid, data.valid_idx
+    logps = translator.score_ids([valid.src(i) for i in idx], [valid.tgt(i) for i in idx])
+    loss = -sum(map(sum, logps)) / max(sum(map(len, logps)), 1)  # per target token, EOS included
+    metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    if refs is not None:
+        options = translator.defaults.replace(beam=cfg.train.valid_beam)
+        found = translator.translate_ids([valid.src(i) for i in range(len(valid))], options)
+        hyps = tokenizer.decode_tgt([nbest[0].tokens for nbest in found])
+        metrics["bleu"] = score(hyps, refs, names=("bleu",), lang=cfg.data.tgt_lang)["bleu"]
+    model.train()
+    return metrics

@@ -135,10 +135,9 @@ def export_tokenizer(directory: Path, manifest: dict[str, Any]) -> Tokenizer:
         files = "spm.model" if tokenizer.joint else "spm.src.model + spm.tgt.model"
         raise UserError(
             f"{directory / MANIFEST} records tokenizer {manifest['tokenizer']} but {files} in "
-            f"{directory} "
-            f"is {tokenizer.digest}: the SentencePiece model does not belong to this export; "
-            "export "
-            "again (tmt export --force) or copy the model(s) from the run it came from"
+            f"{directory} is {tokenizer.digest}: the SentencePiece model does not belong to this "
+            "export; export again (tmt export --force) or copy the model(s) from the run it came "
+            "from"
         )
     return tokenizer
 
@@ -307,15 +306,12 @@ def _vocabulary(sp: Any) -> list[str]:
 
 def _readme(path: Path, manifest: dict[str, Any]) -> str:
     return (
-        f"# CTranslate2 export of {path.name}\n\n"
-        f"Written by `tmt export` from `{manifest['checkpoint']}` (step {manifest['step']}), "
-        f"weights stored as {manifest['quantization']}, for CTranslate2 "
-        f"{manifest['ctranslate2']}.\n\n"
-        "With transformer-mt: `tmt translate --engine ctranslate2 -c THIS_DIR`, and likewise "
-        "evaluate, "
+        f"# CTranslate2 export of {path.name}\n\nWritten by `tmt export` from "
+        f"`{manifest['checkpoint']}` (step {manifest['step']}), weights stored as "
+        f"{manifest['quantization']}, for CTranslate2 {manifest['ctranslate2']}.\n\nWith "
+        "transformer-mt: `tmt translate --engine ctranslate2 -c THIS_DIR`, and likewise evaluate, "
         "score and serve.\n\nWith CTranslate2 alone: encode the source with `spm.model` (or "
-        "`spm.src.model`), "
-        "then `ctranslate2.Translator(THIS_DIR).translate_batch(pieces)`; the end-of-sentence "
-        "token is added "
-        "to the source for you, and outputs are decoded with `spm.model` (or `spm.tgt.model`).\n"
+        "`spm.src.model`), then `ctranslate2.Translator(THIS_DIR).translate_batch(pieces)`; the "
+        "end-of-sentence token is added to the source for you, and outputs are decoded with "
+        "`spm.model` (or `spm.tgt.model`).\n"
     )

@@ -1,15 +1,274 @@
-"""The Python API over both engines: `load_translator` gives our PyTorch engine (translate.py) or
-CTranslate2's (ct2.py) behind one interface, BaseTranslator. The engines don't import each other;
-this module imports both."""
+"""The layer users call, over both engines: `load_translator` (`transformer_mt.load`) picks ours
+(translate.py) or CTranslate2's (ct2.py); a `Translator` turns text into ids and back, gives empty
+lines an empty translation, truncates long sources (once, here), cuts many sentences into batches
+by decode.max_src_tokens, and takes decoding options per call with the run's as defaults."""
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
 
-from .config import ConfigError
-from .ct2 import load_ct2_translator
-from .translate import BaseTranslator, load_torch_translator
+import numpy as np
+import torch
+
+from .config import Config, ConfigError, DecodeConfig
+from .ct2 import is_export, load_ct2_engine
+from .data import DataError, chunks, cut_batches
+from .decoding import (
+    DecodeOptions,
+    Engine,
+    Scored,
+    Translation,
+    align_words,
+    empty_hypothesis,
+)
+from .model import Ensemble, Transformer
+from .search import Hypothesis, Sampling, StopCheck
+from .tokenizer import Tokenizer
+from .translate import TorchEngine, load_torch_engine
+
+log = logging.getLogger("transformer_mt")
+
+
+class Translator:
+    """Translates and scores sentences with one engine: n-best lists, scores, sampling, attention
+    and alignment (our engine), forced scoring; streams of any length in bounded memory."""
+
+    def __init__(self, engine: Engine, defaults: DecodeOptions):
+        self.engine, self.defaults = engine, defaults
+        self.tokenizer = engine.tokenizer
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Transformer | Ensemble,
+        tokenizer: Tokenizer,
+        decode: DecodeConfig,
+        precision: str = "fp32",
+        device: torch.device | None = None,
+    ) -> Translator:
+        """Our engine around a model in memory (validation, notebooks, tests), in `precision`."""
+        engine = TorchEngine(model, tokenizer, device=device, precision=precision)
+        return cls(engine, DecodeOptions.from_config(decode))
+
+    # What it runs on and where it came from (None for a model in memory)
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def device(self) -> Any:
+        return self.engine.device
+
+    @property
+    def precision(self) -> str:
+        return self.engine.precision
+
+    @property
+    def max_positions(self) -> int:
+        return self.engine.max_positions
+
+    @property
+    def parameters(self) -> int:
+        return self.engine.parameters
+
+    @property
+    def checkpoint(self) -> Path | None:
+        return self.engine.checkpoint
+
+    @property
+    def config(self) -> Config | None:
+        return self.engine.config
+
+    @property
+    def step(self) -> int | None:
+        return self.engine.step
+
+    # ------------------------------------------------------------------------------- translation
+
+    def translate(
+        self,
+        lines: Sequence[str],
+        *,
+        beam: int | None = None,
+        nbest: int = 1,
+        alpha: float | None = None,
+        max_len: Sequence[float] | None = None,
+        sampling: Sampling | None = None,
+        attention: bool = False,
+        alignment: bool = False,
+        generator: torch.Generator | None = None,
+        should_stop: StopCheck = None,
+        token_scores: bool = True,
+    ) -> list[list[Translation]]:
+        """The `nbest` best translations of each line, best first (one per line when sampling).
+
+        beam, alpha and max_len (A, B: at most A x source length + B tokens) override the defaults
+        for this call. attention: add each translation's cross-attention; alignment: its word
+        alignment (our engine). `generator` carries a sampling seed across calls (translate_stream
+        passes one); by default `sampling.seed` seeds each call. should_stop is asked between
+        decoding steps; True raises search.Cancelled (the server stops work nobody waits for).
+        token_scores=False lets an engine skip per-token log-probabilities.
+        """
+        options = self.defaults.replace(
+            beam=beam, nbest=nbest, alpha=alpha, max_len=max_len, sampling=sampling
+        )
+        if (attention or alignment) and self.engine.name != "torch":
+            raise ConfigError("attention and alignment need our engine: drop --engine ctranslate2")
+        ids = self._truncated(self.tokenizer.encode_src([line.strip() for line in lines]))
+        found = self.translate_ids(
+            ids, options, generator=generator, should_stop=should_stop, token_scores=token_scores
+        )
+        out = [[self._translation(h) for h in hyps] for hyps in found]
+        if attention or alignment:
+            for src, hyps in zip(ids, out):
+                for t in hyps:
+                    self._add_attention(src, t)
+        return out
+
+    def translate_ids(
+        self,
+        ids: Sequence[Sequence[int]],
+        options: DecodeOptions | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        should_stop: StopCheck = None,
+        token_scores: bool = True,
+    ) -> list[list[Hypothesis]]:
+        """The n-best hypotheses of each (truncated) source, in input order; an empty source gives
+        one empty hypothesis. Sources are sorted by length and cut into batches of at most
+        max_src_tokens = sentences x beam x (longest source + 1)."""
+        options, ids = options or self.defaults, self._truncated(ids)
+        if options.sampling is not None and generator is None:  # one seed for the whole call
+            generator = self.engine.seeded_generator(options.sampling)
+        out = [[empty_hypothesis()] for _ in ids]
+        for batch in self._batches(ids, options.beam, options.max_src_tokens):
+            found = self.engine.search(
+                [ids[i] for i in batch],
+                options,
+                generator=generator,
+                should_stop=should_stop,
+                token_scores=token_scores,
+            )
+            for i, hyps in zip(batch, found):
+                out[i] = hyps
+        return out
+
+    def translate_text(self, lines: Sequence[str], *, beam: int | None = None) -> list[str]:
+        """One output line per input line (the best translation), in input order."""
+        return [hyps[0].text for hyps in self.translate(lines, beam=beam, token_scores=False)]
+
+    def translate_stream(
+        self,
+        lines: Iterable[str],
+        *,
+        chunk: int = 2000,
+        sampling: Sampling | None = None,
+        **options: Any,
+    ) -> Iterator[tuple[str, list[Translation]]]:
+        """Translate an arbitrarily long stream in chunks of `chunk` lines, yielding (line, its
+        n-best list) in order; `options` are translate()'s. A sampling seed seeds the whole stream
+        once.
+
+        A line ends at "\\n" only (a trailing "\\r" of a CRLF file is dropped); with chunk=1 each
+        line is translated as soon as it arrives, for interactive use.
+        """
+        generator = self.engine.seeded_generator(sampling) if sampling is not None else None
+        for buf in chunks((_line(x) for x in lines), chunk):
+            found = self.translate(buf, sampling=sampling, generator=generator, **options)
+            yield from zip(buf, found)
+
+    # ----------------------------------------------------------------------------------- scoring
+
+    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[Scored]:
+        """Forced decoding: log P(target | source) of each pair, with per-token
+        log-probabilities."""
+        if len(sources) != len(targets):
+            raise DataError(
+                f"{len(sources)} sources but {len(targets)} targets: they must pair up line by line"
+            )
+        src_ids = self.tokenizer.encode_src([s.strip() for s in sources])
+        tgt_ids = self.tokenizer.encode_tgt([t.strip() for t in targets])
+        limit = self.max_positions - 1
+        too_long = [i for i, t in enumerate(tgt_ids) if len(t) > limit]
+        if too_long:
+            raise DataError(
+                f"target {too_long[0] + 1} has {len(tgt_ids[too_long[0]])} pieces; this model "
+                f"scores at most model.max_positions - 1 = {limit}"
+            )
+        logps = self.score_ids(src_ids, tgt_ids)
+        return [
+            Scored(s, t, sum(lp), self.tokenizer.tgt.id_to_piece(ids), lp)
+            for s, t, ids, lp in zip(sources, targets, tgt_ids, logps)
+        ]
+
+    def score_ids(
+        self, src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """Per-token log-probabilities (EOS included) of each target given its (truncated) source,
+        in input order; batched like translate_ids at beam 1."""
+        out: list[list[float]] = [[] for _ in src_ids]
+        src_ids = self._truncated(src_ids)
+        for batch in self._batches(src_ids, 1, self.defaults.max_src_tokens, keep_empty=True):
+            found = self.engine.score(
+                [src_ids[i] for i in batch], [list(tgt_ids[i]) for i in batch]
+            )
+            for i, logps in zip(batch, found):
+                out[i] = logps
+        return out
+
+    def score_stream(
+        self, pairs: Iterable[tuple[str, str]], *, chunk: int = 2000
+    ) -> Iterator[Scored]:
+        for buf in chunks(pairs, chunk):
+            yield from self.score([s for s, _ in buf], [t for _, t in buf])
+
+    # --------------------------------------------------------------------------------- internals
+
+    def _truncated(self, ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Sources cut to the model's positions (EOS takes the last), with one warning: the one
+        place that truncates, for both engines."""
+        limit = self.max_positions - 1
+        too_long = sum(len(x) > limit for x in ids)
+        if too_long:
+            log.warning("%d input line(s) longer than %d tokens were truncated", too_long, limit)
+        return [list(x[:limit]) for x in ids]
+
+    @staticmethod
+    def _batches(
+        ids: Sequence[Sequence[int]], width: int, max_src_tokens: int, keep_empty: bool = False
+    ) -> list[np.ndarray]:
+        """Indices of the (non-empty) sources, sorted by length and cut so that each batch has at
+        most max_src_tokens = sentences x width x (longest source + 1)."""
+        order = sorted(
+            (i for i in range(len(ids)) if keep_empty or len(ids[i])), key=lambda i: len(ids[i])
+        )
+        order = np.array(order, dtype=np.int64)
+        widths = np.array([len(ids[i]) + 1 for i in order], dtype=np.int64)
+        return cut_batches(order, widths, max_src_tokens // width)
+
+    def _translation(self, h: Hypothesis) -> Translation:
+        text = self.tokenizer.decode_tgt([h.tokens])[0]
+        pieces = self.tokenizer.tgt.id_to_piece(h.tokens)
+        return Translation(text, pieces, h.logprob, h.score, h.token_logprobs)
+
+    def _add_attention(self, src_ids: list[int], t: Translation) -> None:
+        """Teacher-force a translation to read its cross-attention; align words from the last
+        layer."""
+        heads = self.engine.cross_attention(src_ids, self.tokenizer.tgt.piece_to_id(t.pieces))
+        t.attention_heads = heads  # (L, H, T, S)
+        last = heads[-1].mean(0)  # last layer, heads averaged: (T, S)
+        t.attention = last.tolist()
+        t.source_pieces = self.tokenizer.src.id_to_piece(src_ids)
+        t.alignment = align_words(last, t.source_pieces, t.pieces)
+
+
+def _line(text: str) -> str:
+    """A line without its "\\n" (and a CRLF's "\\r"); lines end at "\\n" only."""
+    text = text[:-1] if text.endswith("\n") else text
+    return text[:-1] if text.endswith("\r") else text
 
 
 def load_translator(
@@ -21,21 +280,23 @@ def load_translator(
     alpha: float | None = None,
     max_len: Sequence[float] | None = None,
     engine: str = "torch",
-) -> BaseTranslator:
-    """A translator for a checkpoint file or run directory (None: the newest run under ./runs/), or
+) -> Translator:
+    """A Translator for a checkpoint file or run directory (None: the newest run under ./runs/), or
     several (an ensemble, our engine only). engine="ctranslate2" decodes with CTranslate2, from a
-    `tmt export` directory or a checkpoint (exported once, into the run's ct2-cache/); the options
-    are translate.load_torch_translator's.
-    """
-    options = {
-        "device": device,
-        "precision": precision,
-        "beam": beam,
-        "alpha": alpha,
-        "max_len": max_len,
-    }
+    `tmt export` directory or a checkpoint (exported once, into the run's ct2-cache/). precision
+    defaults to the one the run trained in; beam, alpha and max_len replace the run's decode
+    settings as this translator's defaults (each call may still override them)."""
     if engine == "ctranslate2":
-        return load_ct2_translator(checkpoint, **options)
-    if engine != "torch":
+        chosen: Engine = load_ct2_engine(checkpoint, device=device, precision=precision)
+    elif engine == "torch":
+        many = checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike))
+        for c in checkpoint if many else [checkpoint]:
+            if c is not None and is_export(c):
+                raise ConfigError(
+                    f"{c} is a CTranslate2 export: decode it with --engine ctranslate2"
+                )
+        chosen = load_torch_engine(checkpoint, device=device, precision=precision)
+    else:
         raise ConfigError(f"unknown engine {engine!r}: torch or ctranslate2")
-    return load_torch_translator(checkpoint, **options)
+    defaults = DecodeOptions.from_config(chosen.config.decode)
+    return Translator(chosen, defaults.replace(beam=beam, alpha=alpha, max_len=max_len))

@@ -84,9 +84,9 @@ def paper_bleu(
     return {
         "tokenized_bleu": round(result.score, 2),
         "tokenized_bleu_description": "tokenized BLEU (papers' style, not sacreBLEU): lowercase + "
-        "Moses "
-        f"punctuation normalisation + Moses tokenizer ({lang}), sacremoses "
-        f"{sacremoses.__version__}; then {bleu.get_signature()}",
+        "Moses punctuation normalisation + Moses tokenizer "
+        f"({lang}), sacremoses {sacremoses.__version__}; then "
+        f"{bleu.get_signature()}",
     }
 
 
@@ -99,6 +99,23 @@ def moses_tokenized(lines: Sequence[str], lang: str) -> list[str]:
         tokenizer.tokenize(normalizer.normalize(line.lower()), return_str=True, escape=True)
         for line in lines
     ]
+
+
+def _compared(name: str, r: Any, base: float, i: int, same: bool) -> dict[str, Any]:
+    """One system's row of a comparison (numpy floats made Python's, for JSON); system 0 is the
+    baseline."""
+    row = {
+        "system": name,
+        "score": round(float(r.score), 2),
+        "delta": round(float(r.score - base), 2),
+        "ci95": None
+        if r.ci is None
+        else [round(float(r.mean - r.ci), 2), round(float(r.mean + r.ci), 2)],
+        "p_value": None if i == 0 else 1.0 if same else round(float(r.p_value), 4),
+    }
+    if i and same:
+        row["note"] = "identical to the baseline's output: nothing to test"
+    return row
 
 
 def compare(
@@ -138,28 +155,12 @@ def compare(
     # that a zero difference is not chance); with nothing to test we say p = 1 and name it.
     same = [list(h) == list(systems[0][1]) for _, h in systems]
     for metric, results in scores.items():
-        if metric == "System":
-            continue
-        base = results[0].score
-        out["metrics"][metric] = {
-            "signature": str(signatures[metric]),
-            "systems": [
-                {
-                    "system": name,
-                    "score": round(float(r.score), 2),
-                    "delta": round(float(r.score - base), 2),
-                    "ci95": [round(float(r.mean - r.ci), 2), round(float(r.mean + r.ci), 2)]
-                    if r.ci is not None
-                    else None,
-                    "p_value": None if i == 0 else 1.0 if same[i] else round(float(r.p_value), 4),
-                    **(
-                        {"note": "identical to the baseline's output: nothing to test"}
-                        if i and same[i]
-                        else {}
-                    ),
-                }
-                # numpy floats: JSON wants Python's
-                for i, (name, r) in enumerate(zip(scores["System"], results))
-            ],
-        }
+        if metric != "System":
+            out["metrics"][metric] = {
+                "signature": str(signatures[metric]),
+                "systems": [
+                    _compared(name, r, results[0].score, i, same[i])
+                    for i, (name, r) in enumerate(zip(scores["System"], results))
+                ],
+            }
     return out

@@ -526,3 +526,17 @@ class _PerMember:
     def reorder_cross(self, index: torch.Tensor) -> None:
         for p in self.parts:
             p.reorder_cross(index)
+
+
+def label_smoothed_loss(
+    logits: torch.Tensor, target: torch.Tensor, smoothing: float
+) -> torch.Tensor:
+    """Summed label-smoothed cross-entropy over non-padding targets (Sec. 5.4). logits (..., V)."""
+    V = logits.size(-1)
+    return F.cross_entropy(
+        logits.reshape(-1, V).float(),
+        target.reshape(-1),
+        ignore_index=PAD,
+        label_smoothing=smoothing,
+        reduction="sum",
+    )

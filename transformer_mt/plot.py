@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .decoding import Translation, word_attention, words_of
 from .errors import UserError
-from .translate import Translation, word_attention, words_of
 
 
 def require_matplotlib() -> None:

@@ -8,14 +8,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
+
+log = logging.getLogger("transformer_mt")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A training precision besides those: fp32, except the output projection (tokens x vocabulary, the
@@ -179,6 +185,48 @@ def fastest_cpu_precision(
     return min(seconds, key=seconds.get), seconds, skipped
 
 
+# From the most exact to the least: ranks that measured differently train in the most exact of their
+# choices.
+CPU_PRECISIONS = ("fp32", BF16_OUTPUT, "bf16")
+
+
+def choose_cpu_precision(
+    step: Callable[[str], None], agree_min: Callable[[int], int] = lambda i: i
+) -> str:
+    """precision auto on a CPU: time `step(precision)`, a training step of the run's model on a
+    batch of the run's size, in fp32, in bf16 autocast and in fp32 with a bf16 output layer, and
+    train in the fastest, but in fp32 unless that is at least 10% faster (fp32 is exact, so it wins
+    near-ties and the choice does not flip on timing noise). `agree_min` takes this process's index
+    into CPU_PRECISIONS and returns the smallest over all ranks."""
+    fastest, seconds, skipped = fastest_cpu_precision(step, candidates=CPU_PRECISIONS)
+    mine = fastest if seconds and seconds[fastest] < 0.9 * seconds["fp32"] else "fp32"
+    choice = CPU_PRECISIONS[agree_min(CPU_PRECISIONS.index(mine))]
+    timed = ", ".join(f"{1000 * s:.0f} ms in {p}" for p, s in seconds.items())
+    log.info(
+        "precision auto: %s%s; training in %s",
+        f"a training step took {timed} on this CPU" if timed else "nothing timed",
+        "".join(f"; {p} skipped ({why})" for p, why in skipped.items()),
+        choice,
+    )
+    return choice
+
+
+def training_precision(
+    requested: str,
+    device: torch.device,
+    resumed: str = "",
+    choose_on_cpu: Callable[[], str] = lambda: "fp32",
+) -> str:
+    """The precision a run trains in: a resumed auto run keeps the one it began in (`resumed`), so
+    one run never mixes two; auto on a CPU is measured (`choose_on_cpu`, once); else as resolved."""
+    if requested == "auto" and resumed:
+        log.info("precision auto: %s, as the run being resumed trained in", resumed)
+        return resumed
+    if requested == "auto" and device.type == "cpu":
+        return choose_on_cpu()
+    return resolve_precision(requested, device)
+
+
 def keep_freed_memory() -> bool:
     """Ask glibc's malloc to serve every block from its heap and keep freed memory for reuse
     (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 GiB). By default a block above 32 MB (a batch's
@@ -224,3 +272,64 @@ def matmul_gflops(
     if device.type == "cuda":
         torch.cuda.synchronize()  # a host sync: the queued matmuls must finish inside the timing
     return 2.0 * m * k * n * count / (time.perf_counter() - t0) / 1e9
+
+
+class Meter:
+    """Loss, target tokens and FLOPs of the steps since the last log line; the loss stays on the
+    device."""
+
+    def __init__(self, device: torch.device, first_step: int, peak_gflops: float):
+        self.loss, self.peak_gflops = torch.zeros((), device=device), peak_gflops
+        self.reset(first_step)
+
+    def reset(self, first_step: int) -> None:
+        self.loss.zero_()
+        self.tokens, self.flops = 0, 0.0
+        self.start, self.first_step = time.perf_counter(), first_step
+
+    def add(self, loss: torch.Tensor, tokens: int, flops: float) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        self.flops += flops
+
+    def log(self, step: int, loss: float, lr: float, bar: tqdm, writer: Any, **extra: str) -> None:
+        """Show loss, lr, tokens/s and MFU on the bar and in the event log; start the next
+        window."""
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        # MFU per device
+        tok_s, mfu = self.tokens / seconds, self.flops / seconds / 1e9 / self.peak_gflops
+        bar.set_postfix(
+            loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.0%}", **extra
+        )
+        for name, value in (("loss", loss), ("lr", lr), ("tokens_per_sec", tok_s), ("mfu", mfu)):
+            writer.add_scalar(f"train/{name}", value, step)
+        self.reset(step + 1)
+
+
+class StopSignals:
+    """SIGINT/SIGTERM ask the loop to finish its step and write last.pt (`caught` names the signal);
+    a second one stops at once. Outside the main thread (no signals there) it does nothing."""
+
+    def __init__(self) -> None:
+        self.caught: str | None = None
+        self.previous: dict[int, Any] = {}
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.caught is not None:
+            raise KeyboardInterrupt
+        self.caught = signal.Signals(signum).name
+        tqdm.write(
+            f"tmt: {self.caught}: finishing this step and writing last.pt (press Ctrl-C again to "
+            "stop at once)"
+        )
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {
+                sig: signal.signal(sig, self.handler) for sig in (signal.SIGINT, signal.SIGTERM)
+            }
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, h in self.previous.items():
+            signal.signal(sig, h)

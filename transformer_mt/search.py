@@ -2,28 +2,23 @@
 
 The beam *step* (`beam_step`) is a pure function; `beam_search` is the bookkeeping loop around
 it. Finished sentences leave the batch, so the work per step shrinks as sentences end.
-`translate_ids` runs a search over any number of token-id sources, batched by length.
+Id tensors in, hypotheses out: batching many sentences is inference.py's.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import DecodeConfig
-from .data import TokenizedCorpus, collate, cut_batches, make_batches, pad_sources
 from .model import Transformer
 from .vocab import BOS, EOS, PAD
 
-log = logging.getLogger("transformer_mt")
 # asked between decoding steps: True ends the search (Cancelled)
-StopCheck = Optional[Callable[[], bool]]
+StopCheck = Callable[[], bool] | None
 
 
 class Cancelled(Exception):
@@ -232,6 +227,57 @@ def _keep_finished(
         finished[sent].append(Hypothesis(hyp, s, s / lp, lps))
 
 
+def _candidates(
+    logits: torch.Tensor, cum: torch.Tensor, forced: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 2K best extensions of each sentence's K live hypotheses (beam_step's four (N, 2K)
+    tensors), from the step's logits (N*K, V); `forced` rows (N*K,) may only end."""
+    N, K = cum.shape
+    logp = _mask_specials(F.log_softmax(logits, dim=-1, dtype=torch.float32))  # (N*K, V)
+    if forced.any():
+        _force_eos(logp, forced)
+    # Each hypothesis's 2K best tokens are enough to find the sentence's 2K best extensions.
+    cand_logp, cand_tok = topk_rows(logp, min(2 * K, logp.size(1)))  # (N*K, 2K)
+    return beam_step(cum, cand_logp.view(N, K, -1), cand_tok.view(N, K, -1), 2 * K)
+
+
+def _first_beams(
+    B: int, K: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Before the first step: K hypotheses per sentence, of which only the first is real (the
+    others score -inf); no tokens yet, BOS to read."""
+    cum = torch.full((B, K), -math.inf, device=device)
+    cum[:, 0] = 0.0
+    seqs = torch.full((B * K, 0), BOS, dtype=torch.long, device=device)  # tokens so far, and
+    seq_logp = torch.zeros((B * K, 0), device=device)  # their log-probabilities
+    return cum, seqs, seq_logp, torch.full((B * K, 1), BOS, dtype=torch.long, device=device)
+
+
+def _continuing(
+    top: torch.Tensor,
+    src_beam: torch.Tensor,
+    tok: torch.Tensor,
+    tok_logp: torch.Tensor,
+    is_eos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best K candidates (of 2K, each (N, 2K)) not ending in EOS: their scores (N, K), the
+    rows they extend (N*K,), their tokens and those tokens' log-probabilities (N*K, 1)."""
+    N, K = src_beam.size(0), top.size(1) // 2  # beam_step returned 2K candidates
+    scores, pick = top.masked_fill(is_eos, -math.inf).topk(K, dim=1)  # (N, K)
+    rows = torch.arange(N, device=top.device).unsqueeze(1) * K + src_beam.gather(1, pick)
+    return (
+        scores,
+        rows.view(-1),
+        tok.gather(1, pick).view(-1, 1),
+        tok_logp.gather(1, pick).view(-1, 1),
+    )
+
+
+def _nothing() -> Hypothesis:
+    """What a sentence gets when no hypothesis finished (a model that gives EOS no chance)."""
+    return Hypothesis([], -math.inf, -math.inf, [])
+
+
 @torch.no_grad()
 def beam_search(
     model: Transformer,
@@ -256,11 +302,7 @@ def beam_search(
     expand = torch.arange(B, device=device).repeat_interleave(K)
     memory, src_mask = memory[expand], src_mask[expand]  # (B*K, S, d), (B*K, 1, 1, S)
     alive = torch.arange(B, device=device)  # original sentence of each live group
-    cum = torch.full((B, K), -math.inf, device=device)
-    cum[:, 0] = 0.0  # at the start only one hypothesis is real
-    seqs = torch.full((B * K, 0), BOS, dtype=torch.long, device=device)  # tokens so far, and
-    seq_logp = torch.zeros((B * K, 0), device=device)  # their log-probabilities
-    tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)
+    cum, seqs, seq_logp, tokens = _first_beams(B, K, device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     # len(finished[b]), kept on the device
     n_finished = torch.zeros(B, dtype=torch.long, device=device)
@@ -269,15 +311,8 @@ def beam_search(
         _check_stop(should_stop)
         N = len(alive)
         logits = model.decode_step(tokens, memory, src_mask, cache)  # (N*K, V)
-        logp = _mask_specials(F.log_softmax(logits, dim=-1, dtype=torch.float32))  # (N*K, V)
         forced = (max_len[alive] <= t + 1).repeat_interleave(K)  # out of budget: end with EOS
-        if forced.any():
-            _force_eos(logp, forced)
-        # Each hypothesis's 2K best tokens are enough to find the sentence's 2K best extensions.
-        cand_logp, cand_tok = topk_rows(logp, min(2 * K, logp.size(1)))  # (N*K, 2K)
-        top, src_beam, tok, tok_logp = beam_step(
-            cum, cand_logp.view(N, K, -1), cand_tok.view(N, K, -1), 2 * K
-        )
+        top, src_beam, tok, tok_logp = _candidates(logits, cum, forced)  # (N, 2K) each
         # Candidates ending in EOS among the best K become finished hypotheses.
         is_eos = tok == EOS  # (N, 2K)
         final = is_eos[:, :K] & torch.isfinite(top[:, :K])
@@ -286,12 +321,9 @@ def beam_search(
             _keep_finished(final, top, src_beam, tok_logp, seqs, seq_logp, alive, lp, finished)
             n_finished[alive] += final.sum(1)
         # The best K candidates not ending in EOS continue.
-        keep_scores, pick = top.masked_fill(is_eos, -math.inf).topk(K, dim=1)  # (N, K)
-        # (N*K,)
-        rows = (torch.arange(N, device=device).unsqueeze(1) * K + src_beam.gather(1, pick)).view(-1)
-        next_tok = tok.gather(1, pick).view(-1, 1)  # (N*K, 1)
-        seqs, cum = torch.cat([seqs[rows], next_tok], dim=1), keep_scores
-        seq_logp = torch.cat([seq_logp[rows], tok_logp.gather(1, pick).view(-1, 1)], dim=1)
+        cum, rows, next_tok, next_logp = _continuing(top, src_beam, tok, tok_logp, is_eos)
+        seqs = torch.cat([seqs[rows], next_tok], dim=1)
+        seq_logp = torch.cat([seq_logp[rows], next_logp], dim=1)
         # A sentence is done with K finished hypotheses, at its budget, or with no live hypothesis.
         done = (n_finished[alive] >= K) | (max_len[alive] <= t + 1) | ~torch.isfinite(cum[:, 0])
         if done.all():
@@ -306,10 +338,7 @@ def beam_search(
             cache.reorder_cross(keep_rows)
         alive, cum, tokens = alive[keep], cum[keep], next_tok[keep_rows]
         seqs, seq_logp = seqs[keep_rows], seq_logp[keep_rows]
-    return [
-        sorted(hyps, key=lambda h: -h.score)[:nbest] or [Hypothesis([], -math.inf, -math.inf, [])]
-        for hyps in finished
-    ]
+    return [sorted(hyps, key=lambda h: -h.score)[:nbest] or [_nothing()] for hyps in finished]
 
 
 def search(
@@ -317,20 +346,22 @@ def search(
     src: torch.Tensor,
     *,
     beam: int,
-    decode: DecodeConfig,
+    alpha: float,
+    max_len_a: float,
+    max_len_b: int,
     nbest: int = 1,
     sampling: Sampling | None = None,
     generator: torch.Generator | None = None,
     should_stop: StopCheck = None,
 ) -> list[list[Hypothesis]]:
-    """Greedy search for beam 1 (or sampling, when given), else beam search, with the settings of
-    `decode`."""
+    """Greedy search for beam 1 (or sampling, when given), else beam search: src (B, S) -> the
+    n-best hypotheses of each row."""
     if beam == 1 or sampling is not None:
         return greedy_search(
             model,
             src,
-            max_len_a=decode.max_len_a,
-            max_len_b=decode.max_len_b,
+            max_len_a=max_len_a,
+            max_len_b=max_len_b,
             sampling=sampling,
             generator=generator,
             should_stop=should_stop,
@@ -339,89 +370,19 @@ def search(
         model,
         src,
         beam=beam,
-        alpha=decode.alpha,
-        max_len_a=decode.max_len_a,
-        max_len_b=decode.max_len_b,
+        alpha=alpha,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
         nbest=nbest,
         should_stop=should_stop,
     )
-
-
-def translate_ids(
-    model: Transformer,
-    ids: Sequence[Sequence[int]],
-    decode: DecodeConfig,
-    *,
-    beam: int,
-    nbest: int = 1,
-    sampling: Sampling | None = None,
-    generator: torch.Generator | None = None,
-    should_stop: StopCheck = None,
-) -> list[list[Hypothesis]]:
-    """The n-best hypotheses of each source, in input order; an empty source gives one empty
-    hypothesis.
-
-    Sources are sorted by length and cut into batches of decode.max_src_tokens // beam padded
-    tokens; sources longer than the model's positions are truncated, with a warning. `should_stop`
-    is asked between decoding steps: True raises Cancelled (a server's client left).
-    """
-    device, max_src = next(model.parameters()).device, model.cfg.max_positions
-    too_long = sum(len(x) >= max_src for x in ids)
-    if too_long:
-        log.warning("%d input line(s) longer than %d tokens were truncated", too_long, max_src - 1)
-    order = np.array(
-        sorted((i for i in range(len(ids)) if len(ids[i])), key=lambda i: len(ids[i])),
-        dtype=np.int64,
-    )
-    widths = np.array([min(len(ids[i]), max_src - 1) + 1 for i in order], dtype=np.int64)
-    out = [[Hypothesis([], 0.0, 0.0, [])] for _ in ids]
-    for batch in cut_batches(order, widths, decode.max_src_tokens // beam):
-        src = pad_sources([ids[i] for i in batch], max_src).to(device)
-        for i, hyps in zip(
-            batch,
-            search(
-                model,
-                src,
-                beam=beam,
-                decode=decode,
-                nbest=nbest,
-                sampling=sampling,
-                generator=generator,
-                should_stop=should_stop,
-            ),
-        ):
-            out[i] = hyps
-    return out
 
 
 @torch.no_grad()
 def forced_logprobs(
     model: Transformer, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor
 ) -> torch.Tensor:
-    """Forced decoding: log P of each reference token given the source and the tokens before it (B,
-    T), 0 at padding. The same log-softmax that search ranks with, so the two agree."""
+    """Forced decoding: log P of each reference token given the source and the tokens before it
+    (B, T), 0 at padding. The same log-softmax that search ranks with, so the two agree."""
     logp = F.log_softmax(model(src, tgt_in), dim=-1, dtype=torch.float32)  # (B, T, V)
     return logp.gather(2, tgt_out.unsqueeze(2)).squeeze(2).masked_fill(tgt_out == PAD, 0.0)
-
-
-def score_ids(
-    model: Transformer,
-    src_ids: Sequence[Sequence[int]],
-    tgt_ids: Sequence[Sequence[int]],
-    max_tokens: int,
-) -> list[list[float]]:
-    """Per-token log-probabilities (EOS included) of each target given its source, in input order;
-    pairs batched by length like training batches of `max_tokens`."""
-    device = next(model.parameters()).device
-    corpus = TokenizedCorpus.from_lists(src_ids, tgt_ids)
-    out: list[list[float]] = [[] for _ in src_ids]
-    for batch in make_batches(
-        corpus.src_lens, corpus.tgt_lens, max_tokens, seed=0, epoch=0, shuffle=False
-    ):
-        b = collate(corpus, batch).to(device)
-        lengths = (b.tgt_out != PAD).sum(1).tolist()
-        for i, row, n in zip(
-            batch.tolist(), forced_logprobs(model, b.src, b.tgt_in, b.tgt_out).tolist(), lengths
-        ):
-            out[i] = row[:n]
-    return out

@@ -46,7 +46,8 @@ from .errors import UserError
 
 # imported late below: `tmt --help` builds this command's flags without loading torch
 if TYPE_CHECKING:
-    from .translate import BaseTranslator, Translation
+    from .decoding import Translation
+    from .inference import Translator
 
 log = logging.getLogger("transformer_mt")
 PAGE = Path(__file__).parent / "static" / "index.html"
@@ -162,7 +163,7 @@ class Batcher:
     """The bounded queue and the one worker thread that runs the model (the scheduling: module
     docstring)."""
 
-    translator: BaseTranslator
+    translator: Translator
     limits: Limits
     jobs: "queue.Queue[Job | None]" = field(default_factory=queue.Queue)
     stats: dict[str, int] = field(
@@ -341,33 +342,48 @@ class Batcher:
             candidates = [job]
 
     def _run(self, batch: list[Slice]) -> None:
-        for job in {j: None for j, _, _ in batch if j.dead()}:
-            self._remove(job, "dropped")
-        batch = [s for s in batch if s[0] in self.active]
+        """One model call over the batch's live jobs, its results handed out; a failed call is
+        retried request by request."""
+        batch = self._drop_dead(batch)
         if not batch:
             return
         self.running = [j for j, _, _ in batch]
         try:
             results = self._call(batch)
-        except Exception as e:  # noqa: BLE001  a bad request fails itself, not the others or the server
-            # stopped between steps (search.Cancelled): nobody waits
-            if all(j.dead() for j, _, _ in batch):
-                for j, _, _ in batch:
-                    self._remove(j, "dropped")
-            elif len(batch) > 1:  # find the culprit: each request alone
-                for s in batch:
-                    self._run([s])
-            else:
-                if not isinstance(e, UserError):
-                    log.error(
-                        "a request of %d lines failed: %s",
-                        len(batch[0][0].lines),
-                        e,
-                        exc_info=not isinstance(e, WrongCount),
-                    )
-                self._fail([batch[0][0]], e)
+        except Exception as e:  # a bad request fails itself, not the others or the server
+            self._after_failure(batch, e)
             return
         self.count("batches")
+        self._distribute(batch, results)
+
+    def _drop_dead(self, batch: list[Slice]) -> list[Slice]:
+        """The batch without the jobs nobody waits for any more (dropped before the call)."""
+        for job in {j: None for j, _, _ in batch if j.dead()}:
+            self._remove(job, "dropped")
+        return [s for s in batch if s[0] in self.active]
+
+    def _after_failure(self, batch: list[Slice], error: Exception) -> None:
+        """A failed call: drop it if nobody waits, else rerun each request alone so that only the
+        culprit fails."""
+        # stopped between steps (search.Cancelled): nobody waits
+        if all(j.dead() for j, _, _ in batch):
+            for j, _, _ in batch:
+                self._remove(j, "dropped")
+        elif len(batch) > 1:  # find the culprit: each request alone
+            for s in batch:
+                self._run([s])
+        else:
+            if not isinstance(error, UserError):
+                log.error(
+                    "a request of %d lines failed: %s",
+                    len(batch[0][0].lines),
+                    error,
+                    exc_info=not isinstance(error, WrongCount),
+                )
+            self._fail([batch[0][0]], error)
+
+    def _distribute(self, batch: list[Slice], results: list) -> None:
+        """Give each job its share of the call's results, answering those now complete."""
         at = 0
         for job, start, end in batch:
             answers, at = results[at : at + end - start], at + end - start
@@ -474,7 +490,7 @@ def parse_translate(
     """The lines and translate() options of a /translate body; Refused(400/413) when they are wrong.
     Omitted options take the server's decode settings, so equal requests share batches."""
     check_keys(body, TRANSLATE_KEYS, "/translate")
-    decode = translator.decode
+    decode = translator.defaults
     text = _text_list(body, "text", limits)
     beam = _integer(body, "beam", decode.beam, 1, max(64, decode.beam))
     nbest = _integer(body, "nbest", 1, 1, beam)
@@ -491,7 +507,7 @@ def parse_translate(
     ):
         raise Refused(
             400,
-            f"max_len must be [A, B]: output at most A x source length + B tokens, A from 0 to "
+            "max_len must be [A, B]: output at most A x source length + B tokens, A from 0 to "
             f"{MAX_LEN_A:g}, B a whole number from 1 to {top}; got {max_len!r}",
         )
     flags = {}
@@ -579,8 +595,8 @@ def check_work(work: list[int], steps: list[int], limits: Limits) -> None:
     if total > limits.max_work:
         raise Refused(
             413,
-            f"this request needs {total:,} decoding steps (beam x output budget of each line); "
-            f"at most {limits.max_work:,} per request (tmt serve --max-work): send fewer lines, or "
+            f"this request needs {total:,} decoding steps (beam x output budget of each line); at "
+            f"most {limits.max_work:,} per request (tmt serve --max-work): send fewer lines, or "
             "ask a smaller beam or max_len",
         )
 
@@ -594,8 +610,8 @@ def _text_list(body: dict[str, Any], key: str, limits: Limits) -> list[str]:
     if len(value) > limits.max_lines:
         raise Refused(
             413,
-            f"{key} has {len(value)} lines; at most {limits.max_lines} per request "
-            "(tmt serve --max-lines)",
+            f"{key} has {len(value)} lines; at most {limits.max_lines} per request (tmt serve "
+            "--max-lines)",
         )
     for i, x in enumerate(value):
         try:
@@ -632,7 +648,7 @@ def translation_json(
 ) -> dict[str, Any]:
     import torch
 
-    from .translate import word_attention, words_of
+    from .decoding import word_attention, words_of
 
     out = []
     for h in hyps:
@@ -658,7 +674,7 @@ def checkpoint_name(path: Path | None) -> str | None:
     return f"{run.name}/{path.name}"
 
 
-def model_info(translator: BaseTranslator, limits: Limits = Limits()) -> dict[str, Any]:
+def model_info(translator: Translator, limits: Limits = Limits()) -> dict[str, Any]:
     cfg = translator.config
     name = checkpoint_name(translator.checkpoint)
     return {
@@ -669,14 +685,14 @@ def model_info(translator: BaseTranslator, limits: Limits = Limits()) -> dict[st
         "target_language": cfg.data.tgt_lang,
         "model": cfg.to_dict()["model"],
         "parameters": translator.parameters,
-        "engine": translator.engine,
+        "engine": translator.name,
         "tokenizer": {
             "digest": translator.tokenizer.digest,
             "joint": translator.tokenizer.joint,
             "source_vocabulary": translator.tokenizer.src_vocab_size,
             "target_vocabulary": translator.tokenizer.tgt_vocab_size,
         },
-        "decode": dataclasses.asdict(translator.decode),
+        "decode": dataclasses.asdict(translator.defaults),
         "precision": translator.precision,
         "device": str(translator.device),
         "limits": dataclasses.asdict(limits),
@@ -741,17 +757,51 @@ async def read_json(request: Any, limits: Limits, batcher: Batcher) -> dict[str,
     return parse_body(bytes(raw))
 
 
-def create_app(translator: BaseTranslator, limits: Limits = Limits()) -> Any:
+def create_app(translator: Translator, limits: Limits = Limits()) -> Any:
     """The Starlette application: the page, the JSON API, and the batcher's life."""
     import contextlib
 
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
 
     batcher = Batcher(translator, limits)
+
+    async def refused(request: Request, exc: Refused) -> Response:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers)
+
+    # e.g. a target too long to score
+    async def bad_input(request: Request, exc: UserError) -> Response:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        batcher.start()
+        yield
+        batcher.stop()
+
+    info = model_info(translator, limits)
+    routes = [
+        Route("/", lambda r: HTMLResponse(PAGE.read_text(encoding="utf-8"))),
+        Route("/info", lambda r: JSONResponse(info)),
+        *_api_routes(translator, limits, batcher),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={Refused: refused, UserError: bad_input},
+        lifespan=lifespan,
+    )
+    app.state.batcher = batcher  # for tests and tools that look inside
+    return app
+
+
+def _api_routes(translator: Translator, limits: Limits, batcher: Batcher) -> list:
+    """POST /translate, POST /score and GET /health: requests priced, queued and answered."""
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
 
     async def translate(request: Request) -> Response:
         text, options = parse_translate(
@@ -789,34 +839,11 @@ def create_app(translator: BaseTranslator, limits: Limits = Limits()) -> Any:
         status, body = batcher.health()
         return JSONResponse(body, status_code=status)
 
-    async def refused(request: Request, exc: Refused) -> Response:
-        return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers)
-
-    # e.g. a target too long to score
-    async def bad_input(request: Request, exc: UserError) -> Response:
-        return JSONResponse({"error": str(exc)}, status_code=400)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        batcher.start()
-        yield
-        batcher.stop()
-
-    info = model_info(translator, limits)
-    routes = [
-        Route("/", lambda r: HTMLResponse(PAGE.read_text(encoding="utf-8"))),
+    return [
         Route("/health", health),
-        Route("/info", lambda r: JSONResponse(info)),
         Route("/translate", translate, methods=["POST"]),
         Route("/score", score, methods=["POST"]),
     ]
-    app = Starlette(
-        routes=routes,
-        exception_handlers={Refused: refused, UserError: bad_input},
-        lifespan=lifespan,
-    )
-    app.state.batcher = batcher  # for tests and tools that look inside
-    return app
 
 
 def model_threads(threads: int | None = None) -> int:
@@ -839,7 +866,7 @@ def model_threads(threads: int | None = None) -> int:
 
 
 def serve(
-    translator: BaseTranslator,
+    translator: Translator,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -852,8 +879,7 @@ def serve(
 
     log.info(
         "serving %s on http://%s:%d/ (model in one worker thread on %d CPU threads; queue %d, "
-        "deadline %g s, "
-        "%d steps a request, %d a call)",
+        "deadline %g s, %d steps a request, %d a call)",
         translator.checkpoint,
         host,
         port,

@@ -89,12 +89,9 @@ class Tokenizer:
             missing, present = (tgt, src.name) if src.exists() else (src, tgt.name)
             raise UserError(
                 f"SentencePiece model not found: {missing} (a separate vocabulary needs "
-                "spm.src.model "
-                f"and spm.tgt.model; {present} is there): copy it back from the run it came from, "
-                "or "
-                f"remove {present} as well (translate then uses the models stored in the "
-                "checkpoint, "
-                "train trains new ones)"
+                f"spm.src.model and spm.tgt.model; {present} is there): copy it back from the run "
+                f"it came from, or remove {present} as well (translate then uses the models stored "
+                "in the checkpoint, train trains new ones)"
             )
         raise UserError(
             f"no SentencePiece model in {run_dir}: it needs spm.model, or spm.src.model and "

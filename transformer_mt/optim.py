@@ -1,0 +1,91 @@
+"""Adam and the learning-rate schedule: Noam warm-up (Sec. 5.3) and the linear cooldown."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .config import TrainConfig
+from .model import Transformer
+
+log = logging.getLogger("transformer_mt")
+
+
+def noam(step: int, d_model: int, warmup: int, factor: float) -> float:
+    """lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (Sec. 5.3, Eq. 3)."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def cooldown_factor(step: int, start: int, end: int) -> float:
+    """The learning rate's multiplier for update `step` (1-based): 1 up to `start`, then a straight
+    line down to 1 / (end - start) at update `end`, the last (annealing to ~0 by the end of the run;
+    end <= start: none)."""
+    if end <= start or step <= start:
+        return 1.0
+    return max(end - step + 1, 0) / (end - start)
+
+
+def cooldown_by_steps(tc: TrainConfig) -> tuple[int, int]:
+    """The cooldown's (start, end) updates without a time budget: the last `cooldown` of
+    max_steps."""
+    if not tc.cooldown:
+        return 0, 0
+    return tc.max_steps - max(1, round(tc.cooldown * tc.max_steps)), tc.max_steps
+
+
+def cooldown_end_in_time(
+    tc: TrainConfig, step: int, minutes: float, steps_per_minute: float
+) -> int:
+    """The update at which a cooldown starting now ends with the time budget: the budget's minutes
+    left at this rate (2% kept spare), at most max_steps."""
+    left = tc.max_minutes - minutes
+    return min(tc.max_steps, step + max(1, int(0.98 * steps_per_minute * left)))
+
+
+def plan_cooldown(
+    tc: TrainConfig, step: int, minutes: float, steps_per_minute: float, agree: Callable[[int], int]
+) -> tuple[int, int]:
+    """The cooldown (start, end) that starts now and ends when the time budget does
+    (cooldown_end_in_time); `agree` makes every rank take the same end (the earliest)."""
+    end = agree(cooldown_end_in_time(tc, step, minutes, steps_per_minute))
+    log.info(
+        "cooldown: the learning rate decays linearly to ~0 from update %d to %d "
+        "(%.1f updates/min, %.1f of train.max_minutes=%g left)",
+        step,
+        end,
+        steps_per_minute,
+        tc.max_minutes - minutes,
+        tc.max_minutes,
+    )
+    return step, end
+
+
+def build_optimizer(
+    model: Transformer,
+    tc: TrainConfig,
+    device: torch.device,
+    cooldown: Callable[[], tuple[int, int]] = lambda: (0, 0),
+) -> tuple[torch.optim.Optimizer, Any]:
+    """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR, times the
+    cooldown factor of the plan that `cooldown()` returns (start, end) when the lr is computed."""
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.Adam(
+        model.parameters(),
+        lr=1.0,
+        betas=tc.adam_betas,
+        eps=tc.adam_eps,
+        weight_decay=tc.weight_decay,
+        **fused,
+    )
+    # LambdaLR counts from 0 before the first update; update number s uses noam(s).
+    d_model = model.cfg.d_model
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda i: (
+            noam(i + 1, d_model, tc.warmup, tc.lr_factor) * cooldown_factor(i + 1, *cooldown())
+        ),
+    )
+    return optimizer, scheduler
