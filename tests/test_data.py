@@ -29,7 +29,9 @@ from transformer_mt.data import (
 from transformer_mt.tokenizer import train_tokenizer
 from transformer_mt.vocab import BOS, EOS, PAD
 
-WORDS = "the a cat dog sat on mat red blue green house tree river stone small big old new runs sees".split()
+WORDS = (
+    "the a cat dog sat on mat red blue green house tree river stone small big old new runs sees"
+).split()
 
 
 def sentences(n: int, seed: int = 0) -> list[str]:

@@ -33,8 +33,8 @@ def write_setup(root: Path, run: str, extra: str = "") -> Path:
         textwrap.dedent(f"""\
         data: {{src_lang: en, tgt_lang: de, train: {corpus}/train, valid: {corpus}/valid}}
         tokenizer: {{vocab_size: 80}}
-        model: {{d_model: 32, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 64, dropout: 0.0,
-                 max_positions: 64}}
+        model: {{d_model: 32, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 64,
+                 dropout: 0.0, max_positions: 64}}
         train: {{max_steps: 4, valid_every: 4, log_every: 2, max_tokens: 300, warmup: 4, threads: 1,
                  valid_bleu: false, device: cpu, precision: fp32, seed: 5, adam_eps: 1.0{extra}}}
         output_dir: {root / run}
@@ -149,13 +149,13 @@ def test_training_leaves_the_process_group_so_gloo_threads_do_not_abort_at_exit(
 def test_each_rank_draws_its_own_dropout_masks_and_rank_0_those_of_one_process(monkeypatch):
     """Issue 22, item 16: every rank was seeded alike, so all ranks dropped the same units.
     init_runtime seeds seed + rank once the process group exists."""
-    from transformer_mt import train as train_module
+    from transformer_mt import prepare
     from transformer_mt.config import TrainConfig
     from transformer_mt.distributed import seed_everything
 
     def masks(rank: int) -> torch.Tensor:
-        monkeypatch.setattr(train_module, "init_distributed", lambda device: Dist(rank, 2))
-        train_module.init_runtime(TrainConfig(seed=5, device="cpu"))
+        monkeypatch.setattr(prepare, "init_distributed", lambda device: Dist(rank, 2))
+        prepare.init_runtime(TrainConfig(seed=5, device="cpu"))
         return torch.nn.functional.dropout(torch.ones(64), 0.5)  # (64,) a dropout mask, scaled
 
     rank0, rank1 = masks(0), masks(1)

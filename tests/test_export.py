@@ -21,46 +21,63 @@ from transformer_mt.export import ExportError, cached_export, export_ctranslate2
 from transformer_mt.inference import load_translator
 
 pytest.importorskip("ctranslate2")
-pytestmark = pytest.mark.slow
+# One torch thread (conftest.py): the engines' agreement test took 90 s on two threads of two busy
+# cores, 8 s on one.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "red blue green black white gold silver pink big small old new".split()
+# The reversal models' settings over the tiny run's (conftest.py): two layers each, no dropout, the
+# default learning rate, and beam 4 within |source| + 4 pieces.
+REVERSAL = {
+    "model": {
+        "heads": 4,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "dropout": 0.0,
+        "max_positions": 48,
+    },
+    "train": {"max_tokens": 400, "warmup": 20, "lr_factor": 2.0, "valid_bleu": False},
+    "decode": {"beam": 4, "max_len_a": 1.0, "max_len_b": 4},
+}
 
 
-def tiny_run(root: Path, name: str, *, norm: str, tie: bool, joint: bool, steps: int = 40) -> Path:
-    """A small model trained for 40 updates on a reversal task: not converged, so its distributions
-    are spread and any difference between the engines shows (more `steps`: one that has learned the
-    task)."""
-    corpus = root / "corpus"
-    if not corpus.exists():
-        corpus.mkdir()
-        rng = random.Random(0)
-        for split, n in (("train", 600), ("valid", 8), ("test", 60)):
-            src = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9))) for _ in range(n)]
-            (corpus / f"{split}.en").write_text("".join(s + "\n" for s in src))
-            (corpus / f"{split}.de").write_text(
-                "".join(" ".join(reversed(s.upper().split())) + "\n" for s in src)
-            )
-    cfg = root / f"{name}.yaml"
-    cfg.write_text(f"""
-data: {{src_lang: en, tgt_lang: de, train: {corpus}/train, valid: {corpus}/valid, test: {corpus}/test}}
-tokenizer: {{vocab_size: 60, joint: {str(joint).lower()}}}
-model: {{d_model: 32, heads: 4, encoder_layers: 2, decoder_layers: 2, d_ff: 64, dropout: 0.0, max_positions: 48,
-         norm: {norm}, tie_embeddings: {str(tie).lower()}}}
-train: {{max_steps: {steps}, valid_every: {steps}, max_tokens: 400, warmup: 20, threads: 1, valid_bleu: false,
-        device: cpu}}
-decode: {{beam: 4, max_len_a: 1.0, max_len_b: 4}}
-output_dir: {root / name}
-""")
-    assert main(["-q", "train", str(cfg)]) == 0
-    return root / name
+@pytest.fixture(scope="module")
+def reversal(tmp_path_factory) -> Path:
+    """A reversal task: the target is the source's words, upper-cased, in reverse order."""
+    corpus = tmp_path_factory.mktemp("reversal")
+    rng = random.Random(0)
+    for split, n in (("train", 600), ("valid", 8), ("test", 60)):
+        src = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9))) for _ in range(n)]
+        (corpus / f"{split}.en").write_text("".join(s + "\n" for s in src))
+        (corpus / f"{split}.de").write_text(
+            "".join(" ".join(reversed(s.upper().split())) + "\n" for s in src)
+        )
+    return corpus
+
+
+def reversal_run(
+    make_tiny_run, corpus: Path, *, norm: str, tie: bool, joint: bool, steps: int = 40
+) -> Path:
+    """A small model trained for 40 updates on the reversal task: not converged, so its
+    distributions are spread and any difference between the engines shows (more `steps`: one that
+    has learned the task). Built once per test run (conftest.py: make_tiny_run)."""
+    return make_tiny_run(
+        corpus,
+        model={**REVERSAL["model"], "norm": norm, "tie_embeddings": tie},
+        tokenizer={"joint": joint},
+        train={**REVERSAL["train"], "max_steps": steps, "valid_every": steps},
+        decode=REVERSAL["decode"],
+    ).dir
 
 
 @pytest.mark.parametrize(
     "norm, tie, joint",
     [("pre", True, True), ("post", False, False), ("pre", False, True), ("post", True, False)],
 )
-def test_float32_export_decodes_and_scores_as_ours(tmp_path, norm, tie, joint):
-    run = tiny_run(tmp_path, "run", norm=norm, tie=tie, joint=joint)
+def test_float32_export_decodes_and_scores_as_ours(
+    make_tiny_run, reversal, tmp_path, norm, tie, joint
+):
+    run = reversal_run(make_tiny_run, reversal, norm=norm, tie=tie, joint=joint)
     out = export_ctranslate2(run, tmp_path / "ct2", "float32")
     ours = load_translator(run, device="cpu", precision="fp32")
     theirs = load_translator(out, engine="ctranslate2", device="cpu")
@@ -113,12 +130,20 @@ def demo(tmp_path_factory):
     return {"run": root / "run", "root": root, "sources": sources, "references": references}
 
 
+def _f32_export(demo) -> Path:
+    """The demo model's float32 export, made by whichever test needs it first."""
+    out = demo["root"] / "ct2_f32"
+    if not out.exists():
+        export_ctranslate2(demo["run"], out, "float32")
+    return out
+
+
 def _bleu(hyps, refs):
     return sacrebleu.corpus_bleu(hyps, [refs]).score
 
 
 def test_beam_search_agrees_with_ours_on_the_demo_model(demo):
-    out = export_ctranslate2(demo["run"], demo["root"] / "ct2_f32", "float32")
+    out = _f32_export(demo)
     ours = load_translator(demo["run"], device="cpu", precision="fp32")
     theirs = load_translator(out, engine="ctranslate2", device="cpu")
     a = ours.translate_text(demo["sources"], beam=4)
@@ -144,12 +169,14 @@ def test_int8_in_both_engines_stays_within_a_bleu_point_and_a_half(demo):
     ours8 = load_translator(demo["run"], device="cpu", precision="int8")
     assert ours8.precision == "int8"
     quantized = [
-        m for m in ours8.model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)
+        m
+        for m in ours8.engine.model.modules()
+        if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)
     ]
-    assert quantized and not any(type(m) is torch.nn.Linear for m in ours8.model.modules())
+    assert quantized and not any(type(m) is torch.nn.Linear for m in ours8.engine.model.modules())
     out = export_ctranslate2(demo["run"], demo["root"] / "ct2_int8", "int8")
     assert (out / "model.bin").stat().st_size < 0.4 * (
-        demo["root"] / "ct2_f32" / "model.bin"
+        _f32_export(demo) / "model.bin"
     ).stat().st_size
     theirs8 = load_translator(out, engine="ctranslate2", device="cpu")
     assert theirs8.precision == "int8"
@@ -204,16 +231,16 @@ def test_a_checkpoint_decodes_with_the_engine_through_a_cache(demo, capsys):
     it."""
     t1 = load_translator(demo["run"], engine="ctranslate2", device="cpu")
     cached = sorted((demo["run"] / "ct2-cache").iterdir())
-    assert len(cached) == 1 and t1.directory == cached[0]
+    assert len(cached) == 1 and t1.engine.directory == cached[0]
     t2 = load_translator(demo["run"], engine="ctranslate2", device="cpu")
-    assert t2.directory == cached[0] and sorted((demo["run"] / "ct2-cache").iterdir()) == cached
+    assert (
+        t2.engine.directory == cached[0] and sorted((demo["run"] / "ct2-cache").iterdir()) == cached
+    )
     assert t1.step == t2.step == 300
 
 
 def test_what_the_engine_cannot_do_is_refused_with_the_reason(demo, tmp_path, capsys):
-    out = demo["root"] / "ct2_f32"
-    if not out.exists():
-        export_ctranslate2(demo["run"], out, "float32")
+    out = _f32_export(demo)
     assert main(["translate", "-c", str(out)]) == 2  # an export with the torch engine
     assert "--engine ctranslate2" in capsys.readouterr().err
     theirs = load_translator(out, engine="ctranslate2", device="cpu")
@@ -245,14 +272,13 @@ def test_missing_extra_names_it(monkeypatch, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """Two tiny runs on the reversal task: a joint and a separate vocabulary. The joint one trains
-    100 updates: enough that its 4-piece beginnings and its empty output compete at a budget of
-    5."""
-    root = tmp_path_factory.mktemp("tiny_runs")
+def tiny(make_tiny_run, reversal):
+    """Two tiny runs on the reversal task: a joint and a separate vocabulary (the latter also one of
+    the float32 test's). The joint one trains 100 updates: enough that its 4-piece beginnings and
+    its empty output compete at a budget of 5."""
     return {
-        "joint": tiny_run(root, "joint", norm="pre", tie=True, joint=True, steps=100),
-        "separate": tiny_run(root, "separate", norm="post", tie=False, joint=False),
+        "joint": reversal_run(make_tiny_run, reversal, norm="pre", tie=True, joint=True, steps=100),
+        "separate": reversal_run(make_tiny_run, reversal, norm="post", tie=False, joint=False),
     }
 
 

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from test_train import tiny_config, write_copy_corpus
 
 from transformer_mt.config import ModelConfig
 from transformer_mt.model import Transformer
@@ -18,11 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32", "auto"])
-def test_training_on_cuda_keeps_fp32_weights_in_each_precision(tmp_path, precision):
-    write_copy_corpus(tmp_path, n_train=200)
-    trainer = Trainer(
-        tiny_config(tmp_path, max_steps=4, valid_every=4, precision=precision, device="cuda")
-    )
+def test_training_on_cuda_keeps_fp32_weights_in_each_precision(copy_config, precision):
+    trainer = Trainer(copy_config(max_steps=4, valid_every=4, precision=precision, device="cuda"))
     expected = "bf16" if precision == "auto" and torch.cuda.is_bf16_supported() else precision
     assert trainer.precision == expected and trainer.device.type == "cuda"
     assert trainer.scaler.is_enabled() == (expected == "fp16")  # the grad scaler only for fp16

@@ -7,9 +7,10 @@ import textwrap
 import pytest
 import torch
 
-from transformer_mt import runtime
-from transformer_mt import train as train_module
+from transformer_mt import prepare, runtime
 from transformer_mt.runtime import fastest_cpu_precision, minor_faults
+
+CPU = torch.device("cpu")
 
 
 class FakeSteps:
@@ -143,12 +144,11 @@ def test_auto_takes_a_bf16_precision_only_when_clearly_faster(
     """The fastest of fp32, bf16 and bf16-output (fp32 with a bf16 output layer), but fp32 unless
     10% slower."""
     from transformer_mt.config import ModelConfig, TrainConfig
-    from transformer_mt.distributed import Dist
     from transformer_mt.model import Transformer
 
     seconds = {"fp32": 1.0, "bf16": bf16_seconds, "bf16-output": output_seconds}
     monkeypatch.setattr(
-        train_module,
+        runtime,
         "fastest_cpu_precision",
         lambda step, **kw: (min(seconds, key=seconds.get), seconds, {}),
     )
@@ -157,24 +157,59 @@ def test_auto_takes_a_bf16_precision_only_when_clearly_faster(
     )
     with caplog.at_level("INFO", logger="transformer_mt"):
         assert (
-            train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu"))
+            runtime.choose_cpu_precision(prepare.cpu_probe_step(model, TrainConfig(), CPU))
             == chosen
         )
     assert f"training in {chosen}" in caplog.text and "1000 ms in fp32" in caplog.text
 
 
-def test_the_probe_runs_a_real_training_step_in_each_precision():
-    from transformer_mt.config import ModelConfig, TrainConfig
-    from transformer_mt.distributed import Dist
+def probe_on_a_fake_clock(monkeypatch, model, max_tokens: int, costs: dict[str, float]):
+    """runtime.choose_cpu_precision over the real probe step of `model` (train.cpu_probe_step),
+    timed by a clock that each step advances by `costs[precision]`: the choice, and the (precision,
+    dtype of the output layer's logits) of every step that ran."""
+    from transformer_mt.config import TrainConfig
+
+    now, runs, logits = [0.0], [], []
+    model.generator.register_forward_hook(lambda module, args, out: logits.append(out.dtype))
+    real_step = prepare.cpu_probe_step(model, TrainConfig(max_tokens=max_tokens), CPU)
+
+    def step(precision: str) -> None:
+        real_step(precision)
+        runs.append((precision, logits[-1]))
+        now[0] += costs[precision]
+
+    real = runtime.fastest_cpu_precision
+    monkeypatch.setattr(
+        runtime, "fastest_cpu_precision", lambda s, **kw: real(s, clock=lambda: now[0], **kw)
+    )
+    return runtime.choose_cpu_precision(step), runs
+
+
+@pytest.mark.parametrize(
+    "costs, chosen",
+    [
+        ({"fp32": 1.0, "bf16-output": 0.8, "bf16": 0.95}, "bf16-output"),
+        ({"fp32": 1.0, "bf16-output": 0.85, "bf16": 0.5}, "bf16"),
+        ({"fp32": 1.0, "bf16-output": 0.95, "bf16": 0.92}, "fp32"),  # neither 10% faster
+    ],
+)
+def test_the_probe_runs_a_real_training_step_in_each_precision(
+    native_bf16, monkeypatch, costs, chosen
+):
+    """Each candidate is a real step in its precision (the output layer's logits in bf16 for
+    bf16-output and bf16), a warm-up and two timed; the choice follows the timings; and the probe
+    leaves the model as it found it."""
+    from transformer_mt.config import ModelConfig
     from transformer_mt.model import Transformer
 
     model = Transformer(
         ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True
     )
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert train_module.choose_cpu_precision(
-        model, TrainConfig(max_tokens=200), Dist(), torch.device("cpu")
-    ) in ("fp32", "bf16", "bf16-output")
+    choice, runs = probe_on_a_fake_clock(monkeypatch, model, 200, costs)
+    assert choice == chosen
+    dtypes = {"fp32": torch.float32, "bf16-output": torch.bfloat16, "bf16": torch.bfloat16}
+    assert sorted(runs, key=lambda run: run[0]) == sorted(3 * list(dtypes.items()))
     assert model.output_dtype is None  # the trainer sets it for the chosen precision, not the probe
     # no gradient left behind for the first update
     assert all(p.grad is None for p in model.parameters())
@@ -185,11 +220,10 @@ def test_the_probe_runs_a_real_training_step_in_each_precision():
 def test_the_log_line_says_which_candidates_were_skipped_and_why(monkeypatch, caplog):
     """And on a CPU without native bf16 that nothing was timed: training in fp32 at once."""
     from transformer_mt.config import ModelConfig, TrainConfig
-    from transformer_mt.distributed import Dist
     from transformer_mt.model import Transformer
 
     monkeypatch.setattr(
-        train_module,
+        runtime,
         "fastest_cpu_precision",
         lambda step, **kw: (
             "fp32",
@@ -202,7 +236,7 @@ def test_the_log_line_says_which_candidates_were_skipped_and_why(monkeypatch, ca
     )
     with caplog.at_level("INFO", logger="transformer_mt"):
         assert (
-            train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu"))
+            runtime.choose_cpu_precision(prepare.cpu_probe_step(model, TrainConfig(), CPU))
             == "fp32"
         )
     assert (
@@ -212,10 +246,10 @@ def test_the_log_line_says_which_candidates_were_skipped_and_why(monkeypatch, ca
     caplog.clear()
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "fma"})
     # the real probe
-    monkeypatch.setattr(train_module, "fastest_cpu_precision", fastest_cpu_precision)
+    monkeypatch.setattr(runtime, "fastest_cpu_precision", fastest_cpu_precision)
     with caplog.at_level("INFO", logger="transformer_mt"):
         assert (
-            train_module.choose_cpu_precision(model, TrainConfig(), Dist(), torch.device("cpu"))
+            runtime.choose_cpu_precision(prepare.cpu_probe_step(model, TrainConfig(), CPU))
             == "fp32"
         )
     assert (
@@ -226,12 +260,13 @@ def test_the_log_line_says_which_candidates_were_skipped_and_why(monkeypatch, ca
 
 
 @pytest.mark.parametrize("src_vocab, tgt_vocab", [(30, 50), (50, 30)])
-def test_the_probe_runs_with_separate_vocabularies_of_two_sizes(src_vocab, tgt_vocab):
+def test_the_probe_runs_with_separate_vocabularies_of_two_sizes(
+    native_bf16, monkeypatch, src_vocab, tgt_vocab
+):
     """Issue 22: with tokenizer.joint false the probe fed target ids as source ids: IndexError when
     the target vocabulary is the larger. Source ids must stay within the source vocabulary, target
-    ids within the target's."""
-    from transformer_mt.config import ModelConfig, TrainConfig
-    from transformer_mt.distributed import Dist
+    ids within the target's, in every candidate's step (native bf16, faked: all three run)."""
+    from transformer_mt.config import ModelConfig
     from transformer_mt.model import Transformer
 
     model = Transformer(
@@ -240,9 +275,36 @@ def test_the_probe_runs_with_separate_vocabularies_of_two_sizes(src_vocab, tgt_v
         tgt_vocab,
         False,
     )
-    assert train_module.choose_cpu_precision(
-        model, TrainConfig(max_tokens=96), Dist(), torch.device("cpu")
-    ) in ("fp32", "bf16", "bf16-output")
+    costs = {"fp32": 1.0, "bf16-output": 1.0, "bf16": 1.0}
+    choice, runs = probe_on_a_fake_clock(monkeypatch, model, 96, costs)
+    assert choice == "fp32" and sorted(p for p, _ in runs) == sorted(3 * list(costs))
+
+
+def test_ranks_train_in_the_most_exact_of_their_choices(monkeypatch):
+    """Each rank's choice goes through `agree_min` as its index in CPU_PRECISIONS, most exact first
+    (fp32, then fp32 with a bf16 output layer, then bf16): a rank that measured bf16 fastest trains
+    in bf16-output when another rank chose that."""
+    seconds = {"fp32": 1.0, "bf16": 0.5, "bf16-output": 0.8}
+    monkeypatch.setattr(runtime, "fastest_cpu_precision", lambda step, **kw: ("bf16", seconds, {}))
+    assert runtime.choose_cpu_precision(lambda precision: None) == "bf16"
+    other = runtime.CPU_PRECISIONS.index("bf16-output")
+    assert (
+        runtime.choose_cpu_precision(lambda precision: None, lambda mine: min(mine, other))
+        == "bf16-output"
+    )
+
+
+def test_auto_is_measured_on_a_cpu_and_a_resumed_run_keeps_its_precision():
+    probes = []
+
+    def probe() -> str:
+        probes.append(1)
+        return "bf16-output"
+
+    assert runtime.training_precision("auto", CPU, "", probe) == "bf16-output"
+    assert runtime.training_precision("auto", CPU, "fp32", probe) == "fp32"  # as it began
+    assert runtime.training_precision("bf16", CPU, "fp32", probe) == "bf16"  # as asked
+    assert probes == [1]
 
 
 @pytest.mark.skipif(
@@ -257,7 +319,8 @@ def test_malloc_keeps_freed_memory_so_big_tensors_stop_faulting():
         from transformer_mt.runtime import keep_freed_memory, minor_faults
         if sys.argv[1] == "keep":
             assert keep_freed_memory()
-        for _ in range(10):  # the first allocations fault either way (the heap grows to its working size)
+        # the first allocations fault either way (the heap grows to its working size)
+        for _ in range(10):
             torch.ones(16 * 1024 * 1024).sum()
         before = minor_faults()
         for _ in range(30):

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cli import WORDS, random_lines, write_config, write_lines
 
 from transformer_mt.cli import main
 from transformer_mt.search import Cancelled
@@ -35,34 +34,15 @@ from transformer_mt.search import Cancelled
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 ROOT = Path(__file__).resolve().parents[1]
+# One torch thread for the in-process servers' decoding (conftest.py): a small shared machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A tiny model that has learned to copy its input (about 7 s on one core): its translations are
-    real sentences, so the page has words to show and attention to draw."""
-    root = tmp_path_factory.mktemp("serve")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    rng = random.Random(0)
-    for split, n in (("train", 400), ("valid", 12), ("test", 5)):
-        src = random_lines(n, rng)
-        write_lines(corpus / f"{split}.en", src)
-        write_lines(corpus / f"{split}.de", src)
-    overrides = {
-        "train.max_steps": 300,
-        "train.valid_every": 1000,
-        "train.valid_bleu": "false",
-        "train.threads": 1,
-        "train.lr_factor": 1.0,
-        "train.warmup": 60,
-        "model.d_model": 64,
-        "model.d_ff": 128,
-        "model.heads": 4,
-    }
-    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-    assert main(["-q", "train", str(write_config(root, corpus, root / "run")), *sets]) == 0
-    return root / "run"
+def run_dir(tiny_run):
+    """The tiny model (conftest.py), which has learned to copy its input: its translations are real
+    sentences, so the page has words to show and attention to draw. 300 updates."""
+    return tiny_run.dir
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +127,10 @@ def alone(translator: Any, lines: list[str], beam: int) -> list[str]:
 
 
 def heavy(n: int = 64, words: int = 30) -> list[str]:
+    """n lines of `words` words that the tiny model knows: long searches."""
     rng = random.Random(n)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
+    known = "alpha beta gamma delta echo fox golf hotel".split()  # of the tiny corpus (conftest.py)
+    return [" ".join(rng.choice(known) for _ in range(words)) for _ in range(n)]
 
 
 def wait_until(condition: Any, what: str, timeout: float = 60) -> None:
@@ -217,8 +199,8 @@ def in_process(gated: Gated, **limits: Any):
 # --------------------------------------------------------------------------- the API
 
 
-def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir, translator):
-    lines = random_lines(3, random.Random(1))
+def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir, translator, sentences):
+    lines = sentences(3, 1)
     with server(run_dir) as (url, _):
         status, page = get(url + "/")
         assert status == 200 and '<label for="source">' in page
@@ -358,8 +340,8 @@ def test_a_client_that_disconnects_has_its_work_dropped(translator):
     assert [lines for lines, _ in gated.calls] == [["alpha beta"]]
 
 
-def test_32_concurrent_clients_get_what_each_would_get_alone(translator):
-    lines = random_lines(32, random.Random(5))
+def test_32_concurrent_clients_get_what_each_would_get_alone(translator, sentences):
+    lines = sentences(32, 5)
     gated = Gated(translator)
     with in_process(gated, batch_wait=0, batch_work=100_000) as url:
         with concurrent.futures.ThreadPoolExecutor(33) as pool:
@@ -489,7 +471,7 @@ def test_a_bad_request_in_a_shared_batch_fails_alone(run_dir):
         assert "max_positions" in answers[1][1]["error"]
 
 
-def test_requests_held_for_another_batch_are_batched_together(translator):
+def test_requests_held_for_another_batch_are_batched_together(translator, sentences):
     """Requests with two sets of options queued together make two model calls, not one per
     request."""
     gated = Gated(translator)
@@ -497,10 +479,7 @@ def test_requests_held_for_another_batch_are_batched_together(translator):
         with concurrent.futures.ThreadPoolExecutor(9) as pool:
             busy = pool.submit(post, url + "/translate", {"text": ["alpha"]})
             assert gated.entered.wait(60)
-            bodies = [
-                {"text": [line], "beam": 2 + i % 2}
-                for i, line in enumerate(random_lines(8, random.Random(9)))
-            ]
+            bodies = [{"text": [line], "beam": 2 + i % 2} for i, line in enumerate(sentences(8, 9))]
             answers = [pool.submit(post, url + "/translate", body) for body in bodies]
             wait_until(lambda: health(url)["pending"] == 9, "the 8 requests to be queued")
             gated.release.set()

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from transformer_mt.config import Config, ModelConfig
+from transformer_mt.data import pad_sources
+from transformer_mt.decoding import DecodeOptions, Scored, Translation
 from transformer_mt.model import Transformer
-from transformer_mt.search import Cancelled, translate_ids
+from transformer_mt.search import Cancelled, search
 from transformer_mt.serve import (
     Batcher,
     Job,
@@ -29,7 +31,6 @@ from transformer_mt.serve import (
     parse_body,
     translate_work,
 )
-from transformer_mt.translate import Scored, Translation
 from transformer_mt.vocab import EOS
 
 pytest.importorskip("starlette")
@@ -52,7 +53,7 @@ class Fake:
     and pauses before step `pause_at` until `go` is set when a line reads "pause"."""
 
     checkpoint = Path("/srv/secret/place/run7/checkpoints/best.pt")
-    step, parameters, engine, precision, device, max_positions = (
+    step, parameters, name, precision, device, max_positions = (
         10,
         1000,
         "fake",
@@ -63,7 +64,8 @@ class Fake:
 
     def __init__(self, hold: bool = False, steps: int = 0, pause_at: int = 3):
         self.config = Config()
-        self.decode, self.tokenizer = self.config.decode, FakeTokenizer()
+        self.defaults = DecodeOptions.from_config(self.config.decode)
+        self.tokenizer = FakeTokenizer()
         self.calls: list[tuple[list[str], dict[str, Any]]] = []
         self.entered, self.release, self.paused, self.go = (threading.Event() for _ in range(4))
         if not hold:
@@ -348,13 +350,13 @@ def test_the_search_asks_should_stop_between_steps_and_stops_at_once(beam):
     model.decode_step = counted
     ids = [[5, 6, 7, 8], [9, 10]]
     stop_on_third = lambda: asked.append(1) or len(asked) == 3  # noqa: E731
+    d = Config().decode
+    options = dict(beam=beam, alpha=d.alpha, max_len_a=d.max_len_a, max_len_b=d.max_len_b)
     with pytest.raises(Cancelled):
-        translate_ids(model, ids, Config().decode, beam=beam, should_stop=stop_on_third)
+        search(model, pad_sources(ids), **options, should_stop=stop_on_third)
     assert len(steps) == 2  # two steps ran, the third was never started
     steps.clear()
-    assert (
-        len(translate_ids(model, ids, Config().decode, beam=beam, should_stop=lambda: False)) == 2
-    )
+    assert len(search(model, pad_sources(ids), **options, should_stop=lambda: False)) == 2
     assert len(steps) >= 2
 
 
@@ -582,7 +584,7 @@ def test_alpha_and_the_length_budget_are_per_request():
         app.state.batcher.stop()
     asked, default = fake.calls[0][1], fake.calls[1][1]
     assert asked["alpha"] == 0.25 and tuple(asked["max_len"]) == (2.0, 3)
-    d = fake.decode
+    d = fake.defaults
     assert default["alpha"] == d.alpha and tuple(default["max_len"]) == (
         d.max_len_a,
         d.max_len_b,
@@ -639,7 +641,7 @@ def test_the_soak_reports_its_targets_from_its_figures(tmp_path, monkeypatch):
         "targets_met": soak_serve.verdict(good),
         "expensive_requests": [{"lines": 16, "beam": 5, "steps": 65000}],
     }
-    soak_serve.write_section(report, tmp_path / "BENCHMARKS.md")
+    soak_serve.write_report(report, tmp_path / "BENCHMARKS.md")
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "p95 1900 ms" in text and "+8.0%" in text and "not met" not in text
 

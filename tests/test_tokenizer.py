@@ -63,10 +63,11 @@ def test_train_on_a_run_whose_spm_tgt_model_is_missing_exits_2_with_one_line(
     cfg = tmp_path / "sep.yaml"
     cfg.write_text(
         textwrap.dedent(f"""\
-        data: {{src_lang: en, tgt_lang: de, train: {tmp_path / "train"}, valid: {tmp_path / "valid"}}}
+        data: {{src_lang: en, tgt_lang: de, train: {tmp_path / "train"},
+                valid: {tmp_path / "valid"}}}
         tokenizer: {{vocab_size: 40, joint: false}}
-        model: {{d_model: 16, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 32, tie_embeddings: false,
-                 max_positions: 64}}
+        model: {{d_model: 16, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 32,
+                 tie_embeddings: false, max_positions: 64}}
         train: {{max_steps: 2, device: cpu, precision: fp32}}
         output_dir: {run}
         """),

@@ -1,7 +1,6 @@
 """Training: the loss and schedule are the paper's, and a tiny copy task is learned exactly."""
 
 import math
-import random
 
 import numpy as np
 import pytest
@@ -10,14 +9,11 @@ import torch
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.config import config_from_dict
 from transformer_mt.data import collate, read_split
-from transformer_mt.train import (
-    Trainer,
-    TrainingDiverged,
-    cooldown_factor,
-    label_smoothed_loss,
-    noam,
-)
-from transformer_mt.translate import Translator
+from transformer_mt.errors import TrainingDiverged
+from transformer_mt.inference import Translator
+from transformer_mt.model import label_smoothed_loss
+from transformer_mt.optim import cooldown_factor, noam
+from transformer_mt.train import Stop, Trainer, TrainState, limits_reached
 from transformer_mt.vocab import PAD
 
 
@@ -51,56 +47,8 @@ def test_noam_schedule_matches_formula_and_peaks_at_warmup():
     assert noam(warmup, d, warmup, factor) == pytest.approx(factor * (d * warmup) ** -0.5)
 
 
-def write_copy_corpus(folder, n_train=2000, seed=0):
-    """A copy task: the target is the source. Words from a tiny vocabulary, 2-6 words long."""
-    rng = random.Random(seed)
-    words = "red blue green black white gold".split()
-    for split, n in (("train", n_train), ("valid", 60)):
-        lines = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 6))) for _ in range(n)]
-        for lang in ("src", "tgt"):
-            (folder / f"{split}.{lang}").write_text("".join(x + "\n" for x in lines))
-
-
-def tiny_config(tmp_path, **train):
-    return config_from_dict(
-        {
-            "data": {
-                "src_lang": "src",
-                "tgt_lang": "tgt",
-                "train": str(tmp_path / "train"),
-                "valid": str(tmp_path / "valid"),
-            },
-            "tokenizer": {"vocab_size": 40},
-            "model": {
-                "d_model": 64,
-                "heads": 4,
-                "encoder_layers": 2,
-                "decoder_layers": 2,
-                "d_ff": 128,
-                "dropout": 0.0,
-                "max_positions": 64,
-            },
-            "train": {
-                "max_tokens": 1024,
-                "warmup": 60,
-                "lr_factor": 1.0,
-                "log_every": 50,
-                "valid_every": 1000,
-                # auto: timed
-                "valid_bleu": False,
-                "keep_last": 0,
-                "seed": 3,
-                "precision": "fp32",
-                **train,
-            },
-            "output_dir": str(tmp_path / "run"),
-        }
-    )
-
-
-def test_learning_rate_follows_noam_per_update(tmp_path):
-    write_copy_corpus(tmp_path, n_train=200)
-    trainer = Trainer(tiny_config(tmp_path, max_steps=3))
+def test_learning_rate_follows_noam_per_update(copy_config):
+    trainer = Trainer(copy_config(max_steps=3))
     lrs = []
     for _, (batch, tokens) in zip(range(3), trainer.batches.stream(trainer.state)):
         lrs.append(trainer.optimizer.param_groups[0]["lr"])
@@ -118,6 +66,27 @@ def test_cooldown_factor_is_a_straight_line_down_to_the_last_update():
     assert factors[start:] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
 
 
+def test_every_limit_that_fires_is_named_and_the_first_is_why_the_run_stopped():
+    """max_steps, the end of a cooldown by steps and the time budget can all fire at one update:
+    max_steps takes precedence (the summary's text that users and scripts/sweep.py read), the
+    others are still named."""
+    from transformer_mt.config import TrainConfig
+
+    tc = TrainConfig(max_steps=10, max_minutes=1.5, cooldown=0.4)
+    at_end = TrainState(step=10, cooldown_start=6, cooldown_end=10)
+    fired = limits_reached(tc, at_end, out_of_time=True)
+    assert fired == [Stop.MAX_STEPS, Stop.COOLDOWN_DONE, Stop.MAX_MINUTES]
+    assert [stop.text(tc) for stop in fired] == [
+        "train.max_steps=10 reached",
+        "the cooldown's last update (train.cooldown=0.4) done",
+        "train.max_minutes=1.5 reached",
+    ]
+    assert limits_reached(tc, TrainState(step=9, cooldown_start=6, cooldown_end=10)) == []
+    # a plan of (0, 0) is no cooldown, not one that ended at update 0
+    assert limits_reached(tc, TrainState(step=3)) == []
+    assert limits_reached(tc, TrainState(step=3), epochs_done=True) == [Stop.MAX_EPOCHS]
+
+
 def lrs_of_updates(monkeypatch, trainer):
     """Run trainer.train(), recording the learning rate each update is made with."""
     lrs, step = [], trainer.train_step
@@ -130,9 +99,8 @@ def lrs_of_updates(monkeypatch, trainer):
     return lrs, trainer.train()
 
 
-def test_cooldown_by_steps_anneals_the_last_fraction_of_max_steps(tmp_path, monkeypatch):
-    write_copy_corpus(tmp_path, n_train=200)
-    trainer = Trainer(tiny_config(tmp_path, max_steps=10, cooldown=0.4))
+def test_cooldown_by_steps_anneals_the_last_fraction_of_max_steps(copy_config, monkeypatch):
+    trainer = Trainer(copy_config(max_steps=10, cooldown=0.4))
     lrs, summary = lrs_of_updates(monkeypatch, trainer)
     assert summary["steps"] == 10
     # 40% of 10 updates: 7..10 at 4/4, 3/4, 2/4, 1/4 of the Noam rate.
@@ -140,12 +108,11 @@ def test_cooldown_by_steps_anneals_the_last_fraction_of_max_steps(tmp_path, monk
     assert lrs == pytest.approx(expected)
 
 
-def test_time_budget_plans_the_cooldown_from_the_step_rate(tmp_path, monkeypatch):
+def test_time_budget_plans_the_cooldown_from_the_step_rate(copy_config, tmp_path, monkeypatch):
     """A clock of 10 updates a minute and a 2-minute budget: the last quarter (0.5 min) starts at
     update 15 and holds 5 updates, 2% kept spare -> 4: the lr falls to ~0 at update 19 and the run
     stops there."""
-    write_copy_corpus(tmp_path, n_train=200)
-    trainer = Trainer(tiny_config(tmp_path, max_steps=1000, max_minutes=2.0, cooldown=0.25))
+    trainer = Trainer(copy_config(max_steps=1000, max_minutes=2.0, cooldown=0.25))
     monkeypatch.setattr(Trainer, "minutes", lambda self: self.state.step / 10)
     lrs, summary = lrs_of_updates(monkeypatch, trainer)
     assert summary["steps"] == 19 and "cooldown" in summary["stopped"]
@@ -156,9 +123,7 @@ def test_time_budget_plans_the_cooldown_from_the_step_rate(tmp_path, monkeypatch
         "train_state"
     ]
     assert (state["cooldown_start"], state["cooldown_end"]) == (15, 19)
-    resumed = Trainer(
-        tiny_config(tmp_path, max_steps=1000, max_minutes=2.0, cooldown=0.25), resume=True
-    )
+    resumed = Trainer(copy_config(max_steps=1000, max_minutes=2.0, cooldown=0.25), resume=True)
     assert (resumed.state.cooldown_start, resumed.state.cooldown_end) == (15, 19)
     # Issue 22: a resume after the cooldown's last update trains nothing more and rewrites nothing.
     files = {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()}
@@ -168,17 +133,18 @@ def test_time_budget_plans_the_cooldown_from_the_step_rate(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_tiny_copy_task_is_learned_exactly(tmp_path):
-    write_copy_corpus(tmp_path)
+def test_tiny_copy_task_is_learned_exactly(copy_config):
     # No label smoothing: it keeps probability off the one right answer that this task has. The last
     # 30% of the updates anneal the lr to ~0 (train.cooldown): without it the run ended at lr 4e-3
     # and loss 0.11, and which lines came out right depended on the CPU's kernels (91.7% with AVX2
     # kernels, 100% with AVX-512 ones).
-    cfg = tiny_config(tmp_path, max_steps=1000, label_smoothing=0.0, cooldown=0.3)
+    cfg = copy_config(n_train=2000, max_steps=1000, label_smoothing=0.0, cooldown=0.3)
     trainer = Trainer(cfg)
     trainer.train()
     sources, references = read_split(cfg.data, "valid")
-    hyps = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate_text(sources, beam=1)
+    hyps = Translator.for_model(trainer.model, trainer.tokenizer, cfg.decode).translate_text(
+        sources, beam=1
+    )
     exact = sum(h == r for h, r in zip(hyps, references)) / len(references)
     # Annealed, all 60 lines came out right with AVX-512 and with AVX2 kernels, on 1 and 2 threads;
     # at most 3 wrong allowed, as which lines a tiny model gets right is not something every CPU's
@@ -187,7 +153,7 @@ def test_tiny_copy_task_is_learned_exactly(tmp_path):
     # Issue 12: the word alignment read from cross-attention of a copy is the diagonal. Where a line
     # repeats a word, either copy of it is as good a source ("green green": 0-0 0-1 was seen): each
     # link must join equal words.
-    translations = Translator(trainer.model, trainer.tokenizer, cfg.decode).translate(
+    translations = Translator.for_model(trainer.model, trainer.tokenizer, cfg.decode).translate(
         sources, beam=1, alignment=True
     )
     copied = [(s, h[0]) for s, h in zip(sources, translations) if h[0].text == s]
@@ -207,11 +173,10 @@ def test_tiny_copy_task_is_learned_exactly(tmp_path):
     assert not wrong, wrong[:5]
 
 
-def test_accumulated_update_equals_one_big_batch(tmp_path):
+def test_accumulated_update_equals_one_big_batch(copy_config):
     """Two micro-batches with accumulate=2 give the same update as their union in one batch:
     the loss is normalised by the step's target tokens, and padding changes nothing."""
-    write_copy_corpus(tmp_path, n_train=200)
-    trainer = Trainer(tiny_config(tmp_path, clip_norm=0.0))
+    trainer = Trainer(copy_config(clip_norm=0.0))
     # Plain SGD (lr 1) makes the update the gradient itself; Adam's first step is about sign(g),
     # which would amplify rounding noise in near-zero gradients.
     trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
@@ -220,7 +185,7 @@ def test_accumulated_update_equals_one_big_batch(tmp_path):
     trainer.train_step([collate(trainer.data.train, first), collate(trainer.data.train, second)])
     accumulated = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
-    other = Trainer(tiny_config(tmp_path, clip_norm=0.0))
+    other = Trainer(copy_config(clip_norm=0.0))
     other.model.load_state_dict(start)
     other.optimizer = torch.optim.SGD(other.model.parameters(), lr=1.0)
     other.train_step([collate(other.data.train, np.concatenate([first, second]))])
@@ -229,11 +194,10 @@ def test_accumulated_update_equals_one_big_batch(tmp_path):
     assert any(not torch.equal(start[k], accumulated[k]) for k in start)
 
 
-def test_separate_bpe_vocabularies_train_and_reload(tmp_path):
-    write_copy_corpus(tmp_path, n_train=200)
+def test_separate_bpe_vocabularies_train_and_reload(copy_config, tmp_path):
     cfg = config_from_dict(
         {
-            **tiny_config(tmp_path, max_steps=2, valid_every=2).to_dict(),
+            **copy_config(max_steps=2, valid_every=2).to_dict(),
             "tokenizer": {"type": "bpe", "joint": False, "vocab_size": 40},
         }
     )
@@ -261,25 +225,22 @@ def test_average_checkpoints_is_the_elementwise_mean(tmp_path):
     assert avg["step"] == 1 and "optimizer" not in avg
 
 
-def test_time_budget_stops_training_and_keeps_the_weights(tmp_path):
-    write_copy_corpus(tmp_path, n_train=200)
-    summary = Trainer(tiny_config(tmp_path, max_steps=10_000, max_minutes=0.0001)).train()
+def test_time_budget_stops_training_and_keeps_the_weights(copy_config, tmp_path):
+    summary = Trainer(copy_config(max_steps=10_000, max_minutes=0.0001)).train()
     assert summary["steps"] < 10_000 and "max_minutes" in summary["stopped"]
     assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()
 
 
-def test_training_averages_the_last_checkpoints(tmp_path):
-    write_copy_corpus(tmp_path, n_train=200)
-    Trainer(tiny_config(tmp_path, max_steps=6, valid_every=2, keep_last=3, average_last=3)).train()
+def test_training_averages_the_last_checkpoints(copy_config, tmp_path):
+    Trainer(copy_config(max_steps=6, valid_every=2, keep_last=3, average_last=3)).train()
     averaged = torch.load(tmp_path / "run" / "checkpoints" / "averaged.pt", weights_only=True)
     assert averaged["averaged_steps"] == [2, 4, 6]
     assert "loss" in averaged["metrics"]
 
 
-def test_save_every_writes_step_checkpoints_between_validations(tmp_path):
-    write_copy_corpus(tmp_path, n_train=200)
+def test_save_every_writes_step_checkpoints_between_validations(copy_config, tmp_path):
     Trainer(
-        tiny_config(tmp_path, max_steps=8, valid_every=4, save_every=2, keep_last=3, average_last=3)
+        copy_config(max_steps=8, valid_every=4, save_every=2, keep_last=3, average_last=3)
     ).train()
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*.pt"))
     # 2 was written, then pruned by keep_last
@@ -288,10 +249,9 @@ def test_save_every_writes_step_checkpoints_between_validations(tmp_path):
     assert averaged["averaged_steps"] == [4, 6, 8]
 
 
-def test_bf16_output_precision_trains_fp32_weights_and_decodes_in_fp32(tmp_path):
-    write_copy_corpus(tmp_path, n_train=200)
+def test_bf16_output_precision_trains_fp32_weights_and_decodes_in_fp32(copy_config, tmp_path):
     trainer = Trainer(
-        tiny_config(tmp_path, max_steps=3, valid_every=3, precision="bf16-output", device="cpu")
+        copy_config(max_steps=3, valid_every=3, precision="bf16-output", device="cpu")
     )
     assert trainer.model.output_dtype == torch.bfloat16
     batch, _ = next(trainer.batches.stream(trainer.state))
@@ -303,16 +263,15 @@ def test_bf16_output_precision_trains_fp32_weights_and_decodes_in_fp32(tmp_path)
     assert ckpt["train_state"]["precision"] == "bf16-output"
     assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
     model, tokenizer, cfg, _ = load_for_inference(tmp_path / "run" / "checkpoints" / "last.pt")
-    translator = Translator(model, tokenizer, cfg.decode, precision=cfg.train.precision)
-    assert translator.precision == "fp32" and translator.model.output_dtype is None
+    translator = Translator.for_model(model, tokenizer, cfg.decode, precision=cfg.train.precision)
+    assert translator.precision == "fp32" and translator.engine.model.output_dtype is None
 
 
-def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(tmp_path):
+def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(copy_config):
     """Defect 8: the fp16 + GradScaler path (GPUs without bf16) had never run. torch runs fp16
     autocast and GradScaler on CPU too: train in fp16, skip an update whose gradient is inf, resume
     with the scaler's state."""
-    write_copy_corpus(tmp_path, n_train=200)
-    cfg = tiny_config(tmp_path, max_steps=3, valid_every=3, precision="fp16", device="cpu")
+    cfg = copy_config(max_steps=3, valid_every=3, precision="fp16", device="cpu")
     trainer = Trainer(cfg)
     assert trainer.precision == "fp16" and trainer.scaler.is_enabled()
     summary = trainer.train()
@@ -337,16 +296,15 @@ def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(t
     assert any(not torch.equal(v, before[k]) for k, v in resumed.model.state_dict().items())
 
 
-def test_a_resumed_auto_run_keeps_the_precision_it_began_in(tmp_path, monkeypatch):
+def test_a_resumed_auto_run_keeps_the_precision_it_began_in(copy_config, tmp_path, monkeypatch):
     """precision auto is measured once, at the run's start: a resume whose probe would now choose
     otherwise trains on in the checkpoint's precision, so one run never mixes two."""
-    import transformer_mt.train as train_module
+    import transformer_mt.prepare as prepare
 
-    write_copy_corpus(tmp_path, n_train=200)
-    cfg = tiny_config(tmp_path, max_steps=2, valid_every=2, precision="auto", device="cpu")
+    cfg = copy_config(max_steps=2, valid_every=2, precision="auto", device="cpu")
     probes = []
     monkeypatch.setattr(
-        train_module, "choose_cpu_precision", lambda *a: probes.append(1) or "bf16-output"
+        prepare, "choose_cpu_precision", lambda *a: probes.append(1) or "bf16-output"
     )
     Trainer(cfg).train()
     assert (
@@ -355,7 +313,7 @@ def test_a_resumed_auto_run_keeps_the_precision_it_began_in(tmp_path, monkeypatc
         ]
         == "bf16-output"
     )
-    monkeypatch.setattr(train_module, "choose_cpu_precision", lambda *a: probes.append(1) or "fp32")
+    monkeypatch.setattr(prepare, "choose_cpu_precision", lambda *a: probes.append(1) or "fp32")
     resumed = Trainer(
         config_from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "max_steps": 3}}),
         resume=True,
@@ -371,7 +329,7 @@ def test_a_resumed_auto_run_keeps_the_precision_it_began_in(tmp_path, monkeypatc
     )
 
 
-def test_a_nan_loss_closes_the_event_log_before_it_stops(tmp_path, monkeypatch):
+def test_a_nan_loss_closes_the_event_log_before_it_stops(copy_config, monkeypatch):
     """Issue 22, item 10: TrainingDiverged left the TensorBoard writer open (events not flushed)."""
     import torch.utils.tensorboard
 
@@ -389,31 +347,25 @@ def test_a_nan_loss_closes_the_event_log_before_it_stops(tmp_path, monkeypatch):
             self.closed = True
 
     monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", FakeWriter)
-    write_copy_corpus(tmp_path, n_train=200)
-    trainer = Trainer(tiny_config(tmp_path, max_steps=5, log_every=1))
+    trainer = Trainer(copy_config(max_steps=5, log_every=1))
     monkeypatch.setattr(trainer, "train_step", lambda micro, tokens=None: torch.tensor(math.nan))
     with pytest.raises(TrainingDiverged, match="loss became nan"):
         trainer.train()
     assert len(writers) == 1 and writers[0].closed
 
 
-def test_separate_vocabularies_of_two_sizes_train_with_precision_auto(tmp_path):
+def test_separate_vocabularies_of_two_sizes_train_with_precision_auto(copy_config, tmp_path):
     """Issue 22: with tokenizer.joint false the precision probe (precision auto on a CPU) fed target
     ids as source ids, out of range when the target vocabulary is the larger: IndexError before the
     first update."""
-    write_copy_corpus(tmp_path, n_train=200)
+    base = copy_config(max_steps=1, valid_every=1, max_tokens=240, precision="auto", device="cpu")
     for split in ("train", "valid"):  # a source side of one letter: a smaller source vocabulary
         lines = (tmp_path / f"{split}.tgt").read_text().splitlines()
         (tmp_path / f"{split}.src").write_text(
             "".join(" ".join("x" * len(w) for w in x.split()) + "\n" for x in lines)
         )
     cfg = config_from_dict(
-        {
-            **tiny_config(
-                tmp_path, max_steps=1, valid_every=1, max_tokens=240, precision="auto", device="cpu"
-            ).to_dict(),
-            "tokenizer": {"type": "bpe", "joint": False, "vocab_size": 40},
-        }
+        {**base.to_dict(), "tokenizer": {"type": "bpe", "joint": False, "vocab_size": 40}}
     )
     trainer = Trainer(cfg)  # the probe runs here
     src_vocab, tgt_vocab, _ = trainer.tokenizer.sizes()
