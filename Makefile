@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test test-browser bench bench-quality docs-figure clean
+.PHONY: install demo lint test test-browser bench bench-quality docs-figure clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,12 @@ demo: install
 	$(VENV)/bin/tmt evaluate --checkpoint runs/demo --beam 4
 	$(VENV)/bin/tmt translate --checkpoint runs/demo --beam 4 < configs/demo_samples.en | paste -d '\n' configs/demo_samples.en - | sed 'n;s/^/  -> /'
 
+# ruff (pinned in the dev extra, configured in pyproject.toml): the formatter decides layout, the
+# linter finds unused names, import order and functions too complex to read at once.
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
 test: install
 	$(PY) -m pytest -q
 
@@ -37,15 +43,15 @@ test-browser: install
 # Speed side by side with the peers (../shared/peers, optional), serving under load, and `make demo` from a fresh
 # clone with AVX2 kernels only -> BENCHMARKS.md, bench*.json.
 bench: install
-	$(PY) scripts/bench.py
-	$(PY) scripts/bench_serve.py
-	$(PY) scripts/soak_serve.py
-	$(PY) scripts/bench_allocator.py
-	$(PY) scripts/bench_demo.py --avx2
+	$(PY) -m scripts.bench
+	$(PY) -m scripts.bench_serve
+	$(PY) -m scripts.soak_serve
+	$(PY) -m scripts.bench_allocator
+	$(PY) -m scripts.bench_demo --avx2
 
 # The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.
 bench-quality: install
-	$(PY) scripts/bench_quality.py --budget 20 --fp32-steps 600
+	$(PY) -m scripts.bench_quality --budget 20 --fp32-steps 600
 
 # The README's figures, drawn by the code: the demo model's attention (run `make demo` first) and
 # the served page as the browser test leaves it.

@@ -1,55 +1,70 @@
-"""`make bench`: training and decoding speed, side by side with the peers, into BENCHMARKS.md +
-bench.json.
+"""`make bench`: training and decoding speed, side by side with the peers, into the `speed` section
+of BENCHMARKS.md and bench.json.
 
 Measured in one run on one machine (these machines are shared and noisy: read the ratios):
   - the matmul ceiling (fp32, bf16) on the model's shapes;
-  - training target tokens/s of ours (fp32, bf16 autocast, bf16-output) and of a plain
-    torch.nn.Transformer loop (fp32, bf16) on the *same* batches, taking turns every 10 steps,
-    medians of the 10-step windows;
-  - fairseq and JoeyNMT through ../shared/peers, once a round (skipped with a message when the kit
-    is absent);
+  - training target tokens/s of ours (fp32, bf16 autocast, bf16-output, and bf16 with torch's
+    dropout instead of ours) and of a plain torch.nn.Transformer loop (fp32, bf16) on the same
+    batches, taking turns every 10 steps; medians of the 10-step windows;
+  - fairseq and JoeyNMT through ../shared/peers, once a round (skipped when the kit is absent);
   - tokens/s against batch size, and decoding cost per token against output length (KV cache);
-  - beam-4 decoding of test_2016_flickr by ours (bf16 and fp32) and fairseq-generate, when both have
-    a model trained for the same budget (`make bench-quality` trains them), and by JoeyNMT once when
-    `bash ../shared/peers/budget.sh joey 20` has trained its model.
+  - beam-4 decoding of test_2016_flickr by every engine and precision (scripts.bench_decode) and by
+    fairseq-generate, on models trained for the same budget by `make bench-quality`.
 
-usage: python scripts/bench.py [--rounds 2] [--steps 30] [--no-peers] [--quick]
+usage: python -m scripts.bench [--rounds 2] [--steps 30] [--no-peers] [--quick] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.bench_decode import conclusions, decode_engines
+from scripts.benchlib import (
+    BENCHMARKS,
+    MULTI30K,
+    PEERS_DIR,
+    ROOT,
+    TEST_PREFIX,
+    cpu_bf16,
+    cpu_model,
+    logger,
+    md_table,
+    now,
+    peak_rss_mb,
+    peers_ready,
+    ratio,
+    read_json,
+    run_peer,
+    src_ref_files,
+    write_json,
+    write_section,
+)
+from scripts.benchlib.training import (
+    BenchData,
+    Step,
+    training_step,
+    window_speeds,
+    with_torch_dropout,
+)
+from transformer_mt.config import Config, apply_override, config_from_dict
+from transformer_mt.data import Batch, DataError, text_file
+from transformer_mt.model import Transformer, label_smoothed_loss
+from transformer_mt.runtime import DTYPES, matmul_gflops
+from transformer_mt.vocab import PAD
 
-from bench_decode import peak_rss_mb  # noqa: E402
-from benchlib import cpu_bf16, cpu_model, replace_section  # noqa: E402
-
-from transformer_mt.config import config_from_dict  # noqa: E402
-from transformer_mt.data import Batch, collate, make_batches  # noqa: E402
-from transformer_mt.runtime import DTYPES, matmul_gflops  # noqa: E402
-from transformer_mt.train import Trainer, label_smoothed_loss  # noqa: E402
-from transformer_mt.vocab import PAD  # noqa: E402
-
-SHARED = ROOT.parent / "shared"
-MULTI30K = SHARED / "data" / "multi30k"
-PEERS_KIT = SHARED / "peers"
-PEERS_DIR = ROOT / ".peers"
-BENCH_RUN = ROOT / "runs" / "bench"
+log = logger("bench")
 
 # The peers' model: 3+3 layers, d 256, 4 heads, FFN 1024, pre-norm, all embeddings tied, dropout 0.1
 # everywhere, Adam (0.9, 0.98), warm-up 200 to a 1e-3 peak (Noam factor 1e-3 * sqrt(256 * 200)).
@@ -59,7 +74,7 @@ BENCH_CONFIG = {
         "tgt_lang": "de",
         "train": str(MULTI30K / "train"),
         "valid": str(MULTI30K / "val"),
-        "test": str(MULTI30K / "test_2016_flickr"),
+        "test": str(TEST_PREFIX),
         "max_len": 128,
     },
     "tokenizer": {"type": "unigram", "vocab_size": 8000, "joint": True},
@@ -85,70 +100,51 @@ BENCH_CONFIG = {
         "valid_bleu": False,
     },
     "decode": {"beam": 4, "alpha": 1.0, "max_len_a": 1.2, "max_len_b": 10},
-    "output_dir": str(BENCH_RUN),
+    "output_dir": str(ROOT / "runs" / "bench"),
 }
+# Window by window ratios the report gives: (contender, baseline)
+RATIOS = (
+    ("ours_bf16", "reference_fp32"),
+    ("ours_bf16", "reference_bf16"),
+    ("ours_bf16", "ours_fp32"),
+    ("ours_bf16-output", "ours_fp32"),
+)
 
 
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+def bench_config(overrides: list[str]) -> Config:
+    """BENCH_CONFIG with `--set KEY=VALUE` overrides."""
+    raw = copy.deepcopy(BENCH_CONFIG)
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw, source="scripts/bench.py BENCH_CONFIG")
 
 
-def evaluate_test(checkpoint: Path, *flags: str) -> dict:
-    """`tmt evaluate --json` of a checkpoint (or run directory) on test_2016_flickr with extra
-    flags; raises CalledProcessError (with the stderr) when it fails."""
-    test = MULTI30K / "test_2016_flickr"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "transformer_mt",
-            "evaluate",
-            "--checkpoint",
-            str(checkpoint),
-            "--src",
-            f"{test}.en.gz",
-            "--ref",
-            f"{test}.de.gz",
-            "--json",
-            *flags,
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout)
-
-
-# --------------------------------------------------------------------------- FLOPs and the matmul
-# ceiling
-
-
-def matmul_peak(seconds: float) -> dict[str, float]:
-    """Sustained torch.mm GFLOP/s (max over the model's shapes), fp32 and bf16."""
+def matmul_peak(cfg: Config, seconds: float) -> dict[str, float]:
+    """Sustained torch.mm GFLOP/s, fp32 and bf16: the best of the model's own shapes (a batch of
+    train.max_tokens rows against its attention, feed-forward and output projections)."""
+    n, d, vocab = cfg.train.max_tokens, cfg.model.d_model, cfg.tokenizer.vocab_size
     shapes = [
-        (4096, 256, 1024),
-        (4096, 1024, 256),
-        (4096, 256, 768),
-        (4096, 256, 256),
-        (4096, 256, 8000),
+        (n, d, cfg.model.d_ff),
+        (n, cfg.model.d_ff, d),
+        (n, d, 3 * d),
+        (n, d, d),
+        (n, d, vocab),
     ]
     cpu = torch.device("cpu")
     return {
-        name: round(
-            max(matmul_gflops(cpu, DTYPES[name], m, k, n, seconds) for m, k, n in shapes), 1
-        )
+        name: round(max(matmul_gflops(cpu, DTYPES[name], *s, seconds) for s in shapes), 1)
         for name in ("fp32", "bf16")
     }
 
 
-# --------------------------------------------------------------------------- the plain-PyTorch
-# reference
+# --------------------------------------------------------------------------- the contenders
 
 
 class Reference(nn.Module):
     """The peers' plain loop: torch.nn.Transformer (pre-norm) with one shared embedding, sinusoidal
-    positions and a tied output projection, dropout 0.1 — as ../shared/peers/torch_reference.py."""
+    positions and a tied output projection, dropout 0.1 on residuals, attention and activations
+    (nn.Transformer's one `dropout`, as ours is configured) — as ../shared/peers/torch_reference.py.
+    """
 
     def __init__(self, vocab: int, d=256, h=4, layers=3, ff=1024, p=0.1):
         super().__init__()
@@ -180,170 +176,124 @@ class Reference(nn.Module):
         return h @ self.emb.weight.t()
 
 
-def reference_step_fn(vocab: int, bf16: bool):
-    torch.manual_seed(42)
-    model = Reference(vocab).train()
+def reference_step(vocab: int, cfg: Config, bf16: bool) -> Step:
+    """One update of the plain loop: Adam at a constant rate, the same loss."""
+    torch.manual_seed(cfg.train.seed)
+    m = cfg.model
+    model = Reference(vocab, m.d_model, m.heads, m.encoder_layers, m.d_ff, m.dropout).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
 
-    def step(batch: Batch) -> None:
+    def step(batch: Batch) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(batch.src, batch.tgt_in)
-        loss = label_smoothed_loss(logits, batch.tgt_out, 0.1)
+        loss = label_smoothed_loss(logits, batch.tgt_out, cfg.train.label_smoothing)
         opt.zero_grad(set_to_none=True)
         (loss / batch.n_tgt_tokens).backward()
         opt.step()
+        return loss.detach()
 
     return step
 
 
-def ours_step_fn(trainer_cfg, precision: str):
-    cfg = config_from_dict(
-        {**trainer_cfg, "train": {**trainer_cfg["train"], "precision": precision}}
-    )
-    trainer = Trainer(cfg)
-
-    def step(batch: Batch) -> None:
-        trainer.train_step([batch])
-
-    return step, trainer
-
-
-def ablation(trainer_cfg, what: str):
-    """Ours in bf16 with one optimisation undone, to show what it gives."""
-    step, trainer = ours_step_fn(trainer_cfg, "bf16")
-    model = trainer.model
-    if what == "torch_dropout":  # F.dropout: one CPU random draw per element
-        for m in model.modules():
-            if type(m).__name__ == "Dropout" and hasattr(m, "threshold"):
-                m.forward = lambda x, m=m: torch.nn.functional.dropout(x, m.p, m.training)
-    return step
+def contenders(bench: BenchData, cfg: Config, ablation: bool) -> tuple[dict[str, Step], dict]:
+    """Every training step the table compares (same seed, same batches), and our models by
+    precision."""
+    ours = {p: bench.model(cfg, cfg.train.seed) for p in ("fp32", "bf16", "bf16-output")}
+    steps = {f"ours_{p}": training_step(m, cfg.train, p) for p, m in ours.items()}
+    vocab = bench.tokenizer.tgt_vocab_size
+    steps["reference_fp32"] = reference_step(vocab, cfg, bf16=False)
+    steps["reference_bf16"] = reference_step(vocab, cfg, bf16=True)
+    if ablation:  # what our dropout gives: ours in bf16 with torch's
+        model = with_torch_dropout(bench.model(cfg, cfg.train.seed))
+        steps["ours_bf16_without_fast_dropout"] = training_step(model, cfg.train, "bf16")
+    return steps, ours
 
 
-def interleaved_windows(
-    contenders: dict, batches: list[Batch], warmup: int, window: int = 10
-) -> dict[str, list[float]]:
-    """Target tokens/s of each contender over the same windows of `window` batches, the contenders
-    taking turns window by window: a slow spell on the shared machine then hits all of them, not
-    one."""
-    for step in contenders.values():
-        for b in batches[:warmup]:
-            step(b)
-    speeds: dict[str, list[float]] = {name: [] for name in contenders}
-    timed = batches[warmup:]
-    for i in range(0, len(timed) - window + 1, window):
-        chunk = timed[i : i + window]
-        tokens = sum(b.n_tgt_tokens for b in chunk)
-        for name, step in contenders.items():
-            t0 = time.perf_counter()
-            for b in chunk:
-                step(b)
-            speeds[name].append(tokens / (time.perf_counter() - t0))
-    return speeds
+# --------------------------------------------------------------------------- measurements
 
 
-def time_windows(step, batches: list[Batch], warmup: int, window: int = 10) -> list[float]:
-    """Target tokens/s of consecutive `window`-step windows after `warmup` untimed steps.
-
-    Collation is done beforehand for both sides alike; the loss is read once per window.
-    """
-    for b in batches[:warmup]:
-        step(b)
-    speeds = []
-    timed = batches[warmup:]
-    for i in range(0, len(timed) - window + 1, window):
-        chunk = timed[i : i + window]
-        t0 = time.perf_counter()
-        for b in chunk:
-            step(b)
-        speeds.append(sum(b.n_tgt_tokens for b in chunk) / (time.perf_counter() - t0))
-    return speeds
+def batch_figures(batches: list[Batch], model: Transformer) -> dict:
+    """The padding share of the timed batches and the model's FLOPs per real target token."""
+    real_s = sum(b.n_src_tokens for b in batches)
+    real_t = sum(b.n_tgt_tokens for b in batches)
+    return {
+        "padding": {
+            "src": 1 - real_s / sum(b.src.numel() for b in batches),
+            "tgt": 1 - real_t / sum(b.tgt_out.numel() for b in batches),
+        },
+        "flops_per_tgt_token": sum(model.train_flops(b.src, b.tgt_out) for b in batches) / real_t,
+    }
 
 
-# --------------------------------------------------------------------------- peers
+def training_rounds(
+    steps: dict[str, Step], batches: list[Batch], args: argparse.Namespace, peers: list[str]
+) -> dict:
+    """Ours and the reference window by window, then each peer, every round; medians and the
+    window-by-window ratios (the same batches at the same moment: steadier than ratios of
+    medians)."""
+    windows: dict[str, list[float]] = {k: [] for k in steps}
+    peer_runs: dict[str, list[dict]] = {p: [] for p in peers}
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}: {', '.join(steps)}, window by window")
+        for name, v in window_speeds(steps, batches, args.warmup).items():
+            windows[name] += v
+        for peer in peers:
+            out = run_peer("train_throughput.sh", peer, str(args.peer_updates))
+            if out:
+                peer_runs[peer].append(out)
+    res: dict = {
+        "training": {
+            k: {"tok_s": statistics.median(v), "windows": [round(x) for x in v]}
+            for k, v in windows.items()
+        },
+        "window_ratios": {
+            f"{a}/{b}": statistics.median(x / y for x, y in zip(windows[a], windows[b]))
+            for a, b in RATIOS
+        },
+    }
+    runs = {p: [float(o["tgt_tok_per_s"]) for o in v] for p, v in peer_runs.items() if v}
+    if runs:
+        res["peers"] = {
+            p: {
+                "tok_s": statistics.median(runs[p]),
+                "runs": runs[p],
+                "peak_rss_mb": peer_runs[p][-1].get("peak_rss_mb"),
+            }
+            for p in runs
+        }
+    return res
 
 
-def run_peer(script: str, *args: str, timeout: int = 1800) -> dict[str, str] | None:
-    """Run one of the kit's scripts from the project root; return its RESULT line as a dict."""
-    cmd = ["bash", str(PEERS_KIT / script), *args]
-    log(" ".join(cmd))
-    try:
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log(f"{script} timed out")
-        return None
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        log(f"{script} failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
-        return None
-    return dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
+def batch_scaling(bench: BenchData, cfg: Config, step: Step, sizes: list[int]) -> list[dict]:
+    """Target tokens/s of one step function at each batch size, over about the same number of
+    tokens at every size."""
+    rows = []
+    for mt in sizes:
+        n = max(3, min(12, int(12 * 4096 / mt)))
+        batches = bench.batches(mt, seed=cfg.train.seed, limit=n + 2)
+        if len(batches) < 3:
+            log(f"batch size {mt}: too few batches in the corpus, left out")
+            continue
+        n = min(n, len(batches) - 2)
+        speed = window_speeds({"step": step}, batches, 2, window=n)["step"][0]
+        sentences = statistics.mean(b.src.size(0) for b in batches)
+        rows.append({"max_tokens": mt, "tok_s": speed, "sentences": sentences})
+    return rows
 
 
-def peers_ready() -> bool:
-    return PEERS_KIT.is_dir() and (PEERS_DIR / "data" / ".prepared").exists()
-
-
-def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
-    """Beam-4 decoding of test_2016_flickr by every engine and precision (bench_decode.py) and by
-    fairseq-generate, interleaved `rounds` times, same 64-sentence batches, 2 threads; medians. Ours
-    decodes the model `make bench-quality` trained for `minutes` (else the recipe's run), fairseq
-    its budget model."""
-    from bench_decode import decode_engines
-
-    ours = ROOT / "runs" / f"budget_{minutes}min"
-    if not (ours / "checkpoints" / "best.pt").exists():
-        ours = ROOT / "runs" / "multi30k_en_de"
-    if not (ours / "checkpoints" / "best.pt").exists():
-        return None
-    fs_ckpt = (
-        PEERS_DIR / "runs" / f"fairseq_budget_{minutes}min" / "checkpoints" / "checkpoint_last.pt"
-    )
-    fairseq = (
-        (lambda: run_peer("decode_speed.sh", "fairseq", str(fs_ckpt), "64"))
-        if fs_ckpt.exists()
-        else None
-    )
-    if fairseq is None:
-        log(
-            f"no fairseq model at {fs_ckpt} (make bench-quality trains it): decoding without "
-            "fairseq-generate"
-        )
-    test = MULTI30K / "test_2016_flickr"
-    d = decode_engines(
-        ours / "checkpoints" / "best.pt",
-        Path(f"{test}.en.gz"),
-        Path(f"{test}.de.gz"),
-        rounds,
-        log,
-        batch=64,
-        threads=2,
-        fairseq=fairseq,
-    )
-    for v in d.values():
-        v["model"] = (
-            str(fs_ckpt.relative_to(ROOT))
-            if v["engine"] == "fairseq-generate"
-            else str((ours / "checkpoints" / "best.pt").relative_to(ROOT))
-        )
-    return d
-
-
-# --------------------------------------------------------------------------- scaling
-
-
-def decode_cost_by_length(trainer: Trainer, lengths: list[int], batch: int = 16) -> list[dict]:
-    """Milliseconds per generated token when forcing outputs of each length, with the KV cache."""
-    model = trainer.model.eval()
-    src = torch.randint(4, trainer.tokenizer.src_vocab_size, (batch, 20))
+def decode_cost_by_length(model: Transformer, vocab: int, lengths: list[int]) -> list[dict]:
+    """Milliseconds per decoding step of 16 sentences when forcing outputs of each length, with
+    the KV cache (greedy)."""
+    model.eval()
+    src = torch.randint(4, vocab, (16, 20))
     rows = []
     with torch.inference_mode():
         memory, mask = model.encode(src)
         for n in lengths:
-            cache = model.new_cache()
-            tok = torch.full((batch, 1), 2)
+            cache, tok = model.new_cache(), torch.full((16, 1), 2)
             t0 = time.perf_counter()
             for _ in range(n):
-                logp = model.decode_step(tok, memory, mask, cache)
-                tok = logp.argmax(-1, keepdim=True)
+                tok = model.decode_step(tok, memory, mask, cache).argmax(-1, keepdim=True)
             dt = time.perf_counter() - t0
             rows.append(
                 {"length": n, "ms_per_token": round(1000 * dt / n, 3), "seconds": round(dt, 3)}
@@ -352,31 +302,137 @@ def decode_cost_by_length(trainer: Trainer, lengths: list[int], batch: int = 16)
     return rows
 
 
+def decode_side_by_side(minutes: int, rounds: int) -> dict | None:
+    """Beam-4 decoding of test_2016_flickr by every engine and precision (scripts.bench_decode)
+    and by fairseq-generate, interleaved `rounds` times. Ours decodes the model `make
+    bench-quality` trained for `minutes` (else the recipe's run), fairseq its budget model."""
+    ours = ROOT / "runs" / f"budget_{minutes}min" / "checkpoints" / "best.pt"
+    if not ours.exists():
+        ours = ROOT / "runs" / "multi30k_en_de" / "checkpoints" / "best.pt"
+    if not ours.exists():
+        return None
+    fs = PEERS_DIR / "runs" / f"fairseq_budget_{minutes}min" / "checkpoints" / "checkpoint_last.pt"
+    fairseq = (
+        partial(run_peer, "decode_speed.sh", "fairseq", str(fs), "64") if fs.exists() else None
+    )
+    if fairseq is None:
+        log(f"no fairseq model at {fs} (make bench-quality trains it): no fairseq-generate row")
+    src, ref = src_ref_files(TEST_PREFIX)
+    d = decode_engines(ours, src, ref, rounds, log, fairseq=fairseq)
+    for v in d.values():
+        model = fs if v["engine"] == "fairseq-generate" else ours
+        v["model"] = str(model.relative_to(ROOT))
+    return d
+
+
 # --------------------------------------------------------------------------- report
 
 
-def fastest_sentence(res: dict) -> str:
-    """Ours at its fastest precision on this CPU against fairseq (which trains in fp32 on a CPU),
-    from the figures."""
-    fs = res.get("peers", {}).get("fairseq", {}).get("tok_s")
-    ours = {
-        k: v["tok_s"]
-        for k, v in res["training"].items()
-        if k.startswith("ours_") and "without" not in k
-    }
-    if not fs or not ours:
-        return ""
-    best = max(ours, key=ours.get)
-    return (
-        "At the precision each toolkit trains fastest in on this CPU: ours "
-        f"{best.removeprefix('ours_')} "
-        f"{ours[best]:,.0f} target tok/s, fairseq fp32 {fs:,.0f}: {ours[best] / fs:.2f}× fairseq."
+def write_report(res: dict, path: Path) -> str:
+    """The `speed` section, from the JSON alone."""
+    scaling = md_table(
+        ["max_tokens", "target tok/s", "sentences/batch"],
+        [
+            (f"{r['max_tokens']:,}", f"{r['tok_s']:,.0f}", f"{r['sentences']:.0f}")
+            for r in res["batch_scaling"]
+        ],
+        "rrr",
+    )
+    lengths = md_table(
+        ["output tokens", "ms per decoding step", "total s"],
+        [
+            (r["length"], f"{r['ms_per_token']:.2f}", f"{r['seconds']:.2f}")
+            for r in res["decode_scaling"]
+        ],
+        "rrr",
+    )
+    return write_section(
+        path,
+        "speed",
+        "## Speed",
+        f"Written by `make bench` (`scripts/bench.py`) on {res['date']}: {res['machine']}, torch "
+        f"{res['torch']}, {res['threads']} threads. Figures drift between runs on these shared "
+        "machines: compare the ratios, which come from one run with every contender on the same "
+        "batches.",
+        "### Training throughput (Multi30k En→De, the peers' model)",
+        training_setup(res),
+        training_table(res),
+        ceiling_paragraph(res),
+        fastest_sentence(res),
+        "Ratios window by window (the same batches, run one after the other), median over the "
+        "windows: " + ", ".join(f"{k} {v:.2f}×" for k, v in res["window_ratios"].items()) + ".",
+        f"Peak RSS of the bench process: {res['peak_rss_mb']:,.0f} MiB.",
+        "### Tokens/s against batch size (ours, bf16)",
+        scaling,
+        "### Decoding cost against output length (KV cache, 16 sentences, greedy, forced length)",
+        lengths,
+        decode_scaling_sentence(res["decode_scaling"]),
+        *(decoding_blocks(res) if res.get("decoding") else []),
+        "\n".join(f"- {note}" for note in res.get("notes", [])),
     )
 
 
+def training_setup(res: dict) -> str:
+    """What trained, on what batches, and how it was timed."""
+    m = res.get("model", BENCH_CONFIG["model"])
+    vocab = res.get("vocab_size", BENCH_CONFIG["tokenizer"]["vocab_size"])
+    return (
+        f"Model: {m['encoder_layers']}+{m['decoder_layers']} layers, d_model {m['d_model']}, "
+        f"{m['heads']} heads, FFN {m['d_ff']}, {m['norm']}-norm, tied joint {vocab:,}-piece "
+        f"SentencePiece vocabulary, dropout {m['dropout']:g} (residual, attention, activation). "
+        f"Batches: ~{res.get('max_tokens', 4096):,} tokens (sentences × longest side), "
+        f"length-bucketed; padding {res['padding']['src']:.1%} of source and "
+        f"{res['padding']['tgt']:.1%} of target positions. {res['steps']} timed steps after "
+        f"{res['warmup']} warm-up in each of {res['rounds']} rounds; ours and the reference take "
+        "turns every 10 steps on the same batches, and the figure is the median 10-step window. "
+        "The peers run once a round, after ours."
+    )
+
+
+def training_table(res: dict) -> str:
+    """Every contender's tokens/s, against the reference and the peers, and its MFU."""
+    peak, peers = res["matmul_gflops"], res.get("peers", {})
+    ref = res["training"].get("reference_fp32", {}).get("tok_s")
+    fs, jy = (peers.get(p, {}).get("tok_s") for p in ("fairseq", "joey"))
+    rows = []
+    named = [*res["training"].items(), *((f"peer_{k}", v) for k, v in peers.items())]
+    for name, v in named:
+        tok = v["tok_s"]
+        gf = tok * res["flops_per_tgt_token"] / 1e9
+        rows.append(
+            (name, f"{tok:,.0f}", ratio(tok, ref), ratio(tok, fs), ratio(tok, jy), f"{gf:,.0f}")
+            + (f"{gf / peak['bf16']:.0%}", f"{gf / peak['fp32']:.0%}")
+        )
+    head = ["contender", "target tok/s", "× plain nn.Transformer fp32", "× fairseq", "× JoeyNMT"]
+    head += ["model GFLOP/s", "MFU vs bf16 ceiling", "vs fp32 ceiling"]
+    return md_table(head, rows, "lrrrrrrr")
+
+
+def ceiling_paragraph(res: dict) -> str:
+    """The matmul ceilings and FLOP count behind the MFU columns, and the peers' own runs."""
+    peak, peers = res["matmul_gflops"], res.get("peers")
+    text = (
+        "Matmul ceiling measured in the same run (torch.mm, max over the model's shapes): fp32 "
+        f"{peak['fp32']:,.0f}, bf16 {peak['bf16']:,.0f} GFLOP/s. FLOPs: "
+        f"{res['flops_per_tgt_token'] / 1e6:.1f} M per target token, counted on real tokens "
+        "(`Transformer.train_flops`: 2 per multiply-add of each weight matrix a token meets, plus "
+        "attention, the causal half for decoder self-attention; training = 3 × forward). "
+        + ceiling_sentence(res)
+    )
+    if peers:
+        runs = "; ".join(
+            f"{p} {', '.join(f'{x:,.0f}' for x in v.get('runs', [v['tok_s']]))}"
+            for p, v in peers.items()
+        )
+        text += (
+            " Peers: the kit's `train_throughput.sh` (their own batches of the same size and "
+            f"data), median of the rounds: {runs}."
+        )
+    return text
+
+
 def ceiling_sentence(res: dict) -> str:
-    """How the two matmul ceilings compare on this CPU, and what runs its bf16 products, from the
-    run's figures."""
+    """How the two matmul ceilings compare on this CPU, and what runs its bf16 products."""
     peak, unit = res["matmul_gflops"], res.get("cpu_bf16")
     what = {
         "AMX": "its AMX tiles",
@@ -389,240 +445,169 @@ def ceiling_sentence(res: dict) -> str:
     )
 
 
-def write_report(res: dict, path: Path) -> None:
-    t = res["training"]
-    peak = res["matmul_gflops"]
-    lines = [
-        "## Speed",
-        "",
-        f"Written by `make bench` (`scripts/bench.py`) on {res['date']}: {res['machine']}, torch "
-        f"{res['torch']}, "
-        f"{res['threads']} threads. Figures drift between runs on these shared machines: compare "
-        "the ratios, "
-        "which come from one run with every contender on the same batches.",
-        "",
-        "### Training throughput (Multi30k En→De, the peers' model)",
-        "",
-        "Model: 3+3 layers, d_model 256, 4 heads, FFN 1024, pre-norm, tied joint 8k SentencePiece "
-        "vocabulary, "
-        "dropout 0.1 (residual, attention, activation). Batches: ~4,096 tokens (sentences × "
-        "longest side), "
-        f"length-bucketed; padding {res['padding']['src']:.1%} of source and "
-        f"{res['padding']['tgt']:.1%} of target "
-        f"positions. {res['steps']} timed steps after {res['warmup']} warm-up in each of "
-        f"{res['rounds']} rounds; "
-        "ours and the reference take turns every 10 steps on the same batches, and the figure is "
-        "the median "
-        "10-step window. The peers run once a round, after ours.",
-        "",
-        "| contender | target tok/s | × plain nn.Transformer fp32 | × fairseq | × JoeyNMT | model "
-        "GFLOP/s | MFU vs bf16 ceiling | vs fp32 ceiling |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    ref = t.get("reference_fp32", {}).get("tok_s")
+def fastest_sentence(res: dict) -> str:
+    """Ours at its fastest precision on this CPU against fairseq (which trains in fp32 on a
+    CPU)."""
     fs = res.get("peers", {}).get("fairseq", {}).get("tok_s")
-    jy = res.get("peers", {}).get("joey", {}).get("tok_s")
-    rows = [(k, v) for k, v in t.items()] + [
-        (f"peer_{k}", v) for k, v in res.get("peers", {}).items()
-    ]
-    for name, v in rows:
-        tok = v.get("tok_s")
-        if tok is None:
-            continue
-        gf = tok * res["flops_per_tgt_token"] / 1e9
-        lines.append(
-            f"| {name} | {tok:,.0f} | {_ratio(tok, ref)} | {_ratio(tok, fs)} | {_ratio(tok, jy)} | "
-            f"{gf:,.0f} | {gf / peak['bf16']:.0%} | {gf / peak['fp32']:.0%} |"
-        )
-    lines += [
-        "",
-        "Matmul ceiling measured in the same run (torch.mm, max over the model's shapes): fp32 "
-        f"{peak['fp32']:,.0f}, "
-        f"bf16 {peak['bf16']:,.0f} GFLOP/s. FLOPs: {res['flops_per_tgt_token'] / 1e6:.1f} M per "
-        "target token, "
-        "counted on real tokens (2 per multiply-add of each weight matrix a token meets, plus "
-        "attention "
-        "scores and sums, the causal half for decoder self-attention; training = 3 × forward; "
-        "`Transformer.train_flops`). "
-        + ceiling_sentence(res)
-        + " Peers: the kit's `train_throughput.sh` (their "
-        "own batches of the same size and data), median of the rounds: "
-        + "; ".join(
-            f"{p} {', '.join(f'{x:,.0f}' for x in v.get('runs', [v['tok_s']]))}"
-            for p, v in res.get("peers", {}).items()
-        )
-        + "."
-        if res.get("peers")
-        else "",
-        "",
-        fastest_sentence(res),
-        "",
-        "Ratios window by window (the same batches, run one after the other), median over the "
-        "windows: "
-        + ", ".join(f"{k} {v:.2f}×" for k, v in res.get("window_ratios", {}).items())
-        + "."
-        if res.get("window_ratios")
-        else "",
-        "",
-        f"Peak RSS of the bench process: {res['peak_rss_mb']:,.0f} MiB.",
-        "",
-        "### Tokens/s against batch size (ours, bf16)",
-        "",
-        "| max_tokens | target tok/s | sentences/batch |",
-        "| ---: | ---: | ---: |",
-    ]
-    for row in res["batch_scaling"]:
-        lines.append(f"| {row['max_tokens']:,} | {row['tok_s']:,.0f} | {row['sentences']:.0f} |")
-    lines += [
-        "",
-        "### Decoding cost against output length (KV cache, 16 sentences, greedy, forced length)",
-        "",
-        "| output tokens | ms per decoding step | total s |",
-        "| ---: | ---: | ---: |",
-    ]
-    for row in res["decode_scaling"]:
-        lines.append(f"| {row['length']} | {row['ms_per_token']:.2f} | {row['seconds']:.2f} |")
-    lines += ["", decode_scaling_sentence(res["decode_scaling"]), ""]
-    if res.get("decoding"):
-        lines += decoding_table(res)
-    for note in res.get("notes", []):
-        lines.append(f"- {note}")
-    replace_section(path, "speed", "\n".join(lines))
-
-
-def decode_scaling_sentence(rows: list[dict]) -> str:
-    """What the decode-scaling figures say, computed from them: the step cost at the longest output
-    over the shortest, flat only when within 1.5x (a KV cache attends over cached keys instead of
-    re-running the prefix, so the step cost grows only with the attention over the longer cache)."""
-    first, last = rows[0], rows[-1]
-    ratio = last["ms_per_token"] / first["ms_per_token"]
-    verdict = "about flat" if ratio <= 1.5 else "growing with the output"
+    ours = {
+        k: v["tok_s"]
+        for k, v in res["training"].items()
+        if k.startswith("ours_") and "without" not in k
+    }
+    if not fs or not ours:
+        return ""
+    best = max(ours, key=ours.get)
     return (
-        f"A decoding step at {last['length']} output tokens costs {ratio:.2f}× one at "
-        f"{first['length']} "
-        f"({last['length'] / first['length']:.0f}× the length): {verdict}."
+        "At the precision each toolkit trains fastest in on this CPU: ours "
+        f"{best.removeprefix('ours_')} {ours[best]:,.0f} target tok/s, fairseq fp32 {fs:,.0f}: "
+        f"{ours[best] / fs:.2f}× fairseq."
     )
 
 
-def decoding_table(res: dict) -> list[str]:
-    """The engines-and-precisions decoding table (issue 15) and what its figures say."""
-    from bench_decode import conclusions
+def decode_scaling_sentence(rows: list[dict]) -> str:
+    """The step cost at the longest output over the shortest, flat within 1.5× (a KV cache attends
+    over cached keys instead of re-running the prefix, so only the attention grows)."""
+    first, last = rows[0], rows[-1]
+    r = last["ms_per_token"] / first["ms_per_token"]
+    return (
+        f"A decoding step at {last['length']} output tokens costs {r:.2f}× one at "
+        f"{first['length']} ({last['length'] / first['length']:.0f}× the length): "
+        f"{'about flat' if r <= 1.5 else 'growing with the output'}."
+    )
 
+
+def decoding_blocks(res: dict) -> list[str]:
+    """The engines-and-precisions decoding table (issue 15) and what its figures say."""
     d = res["decoding"]
     fs, ct2 = d.get("fairseq", {}).get("sent_s"), d.get("ctranslate2 int8", {}).get("sent_s")
     rounds = max(len(v["runs"]) for v in d.values())
-    lines = [
-        "### Beam-4 decoding of test_2016_flickr (1,000 sentences), every engine and precision",
-        "",
-        f"Median of {rounds} interleaved "
-        f"rounds{' on ' + res['decoding_date'] if res.get('decoding_date') else ''}"
-        f" on {res.get('decoding_cpu', 'this CPU')}: every contender decodes the same batches (the "
-        "sources sorted by length, 64 sentences a batch, as fairseq-generate's --batch-size 64), 2 "
-        "threads, "
-        "beam 4, at most 200 output tokens, model loading excluded; each run is its own process "
-        "(peak RSS its "
-        "own). Length penalty 1.0 by each toolkit's formula: GNMT ((5 + |Y|) / 6)^α for ours and "
-        "for "
-        "CTranslate2 through tmt (which re-ranks CTranslate2's finished hypotheses with it), |Y|^α "
-        "for fairseq.",
-        "",
-        "| contender | engine | precision | sentences/s | runs | × fairseq | × CTranslate2 int8 | "
-        "peak RSS MB | "
-        "BLEU | model | signature |",
-        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |",
-    ]
-    stale = False
+    when = f" on {res['decoding_date']}" if res.get("decoding_date") else ""
+    rows, stale = [], False
     for name, v in d.items():
-        # Rows our engines measured before issue 22 carry the bench process's peak (ru_maxrss of an
-        # exec'd child inherits its parent's), not their own: not shown. fairseq's comes from the
-        # peers kit's own measurement.
+        # Rows our engines measured before issue 22 carry the bench process's peak (ru_maxrss of
+        # an exec'd child inherits its parent's), not their own: not shown. fairseq's comes from
+        # the peers kit's own measurement.
         own = v.get("rss_of") == "self" or v.get("engine") == "fairseq-generate"
         stale |= not own
-        rss = v.get("peak_rss_mb", "") if own else "–*"
-        lines.append(
-            f"| {name} | {v.get('engine', '')} | {v.get('precision', '')} | {v['sent_s']:.1f} | "
-            f"{', '.join(f'{x:.1f}' for x in v['runs'])} | {_ratio(v['sent_s'], fs)} | "
-            f"{_ratio(v['sent_s'], ct2)} | "
-            f"{rss} | {v.get('bleu', '')} | `{v.get('model', '')}` | `{v.get('signature', '')}` |"
+        rows.append(
+            (name, v.get("engine", ""), v.get("precision", ""), f"{v['sent_s']:.1f}")
+            + (", ".join(f"{x:.1f}" for x in v["runs"]), ratio(v["sent_s"], fs))
+            + (ratio(v["sent_s"], ct2), v.get("peak_rss_mb", "") if own else "–*")
+            + (v.get("bleu", ""), f"`{v.get('model', '')}`", f"`{v.get('signature', '')}`")
         )
-    if stale:
-        lines += [
-            "",
-            "\\* Peak RSS not shown: these rows were measured before each contender reported its "
-            "own peak "
-            "(the figure then was the bench process's); the next `make bench` measures it.",
-        ]
-    if fs is None:
-        lines += [
-            "",
-            "fairseq-generate did not run: no fairseq model of the same budget was there "
-            "(`make bench-quality` trains one).",
-        ]
-    return lines + [""] + [f"- {c}" for c in conclusions(d)] + [""]
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}×" if a and b else "–"
+    head = ["contender", "engine", "precision", "sentences/s", "runs", "× fairseq"]
+    head += ["× CTranslate2 int8", "peak RSS MB", "BLEU", "model", "signature"]
+    return [
+        "### Beam-4 decoding of test_2016_flickr (1,000 sentences), every engine and precision",
+        f"Median of {rounds} interleaved rounds{when} on {res.get('decoding_cpu', 'this CPU')}: "
+        "every contender decodes the same batches (the sources sorted by length, 64 sentences a "
+        "batch, as fairseq-generate's --batch-size 64), 2 threads, beam 4, at most 200 output "
+        "tokens, model loading excluded; each run is its own process (peak RSS its own). Length "
+        "penalty 1.0 by each toolkit's formula: GNMT ((5 + |Y|) / 6)^α for ours and for "
+        "CTranslate2 through tmt, |Y|^α for fairseq.",
+        md_table(head, rows, "lllrlrrrrll"),
+        "\\* Peak RSS not shown: these rows were measured before each contender reported its own "
+        "peak (the figure then was the bench process's); the next `make bench` measures it."
+        if stale
+        else "",
+        "fairseq-generate did not run: no fairseq model of the same budget was there "
+        "(`make bench-quality` trains one)."
+        if fs is None
+        else "",
+        "\n".join(f"- {c}" for c in conclusions(d)),
+    ]
 
 
 # --------------------------------------------------------------------------- main
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m scripts.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every contender")
-    ap.add_argument(
-        "--steps", type=int, default=30, help="timed training steps per contender and round"
-    )
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per contender and round")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
-    ap.add_argument(
-        "--peer-updates", type=int, default=60, help="updates for each peer's throughput run"
-    )
+    ap.add_argument("--peer-updates", type=int, default=60, help="updates of each peer's run")
     ap.add_argument("--no-peers", action="store_true", help="skip fairseq and JoeyNMT")
+    ap.add_argument("--no-ablation", action="store_true", help="skip ours with torch's dropout")
     ap.add_argument(
         "--decode-minutes",
         type=int,
         default=20,
-        help="compare decoding on the models that make bench-quality trained for this many minutes",
+        help="compare decoding on the models make bench-quality trained for this many minutes",
     )
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 10 steps, no peers")
-    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--quick", action="store_true", help="1 round, 10 steps, no peers, no ablation")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="BENCH_CONFIG")
+    ap.add_argument("--matmul-seconds", type=float, default=1.5, help="timing of each matmul")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--decode-lengths", type=int, nargs="+", default=[10, 25, 50, 100, 200])
+    ap.add_argument("--out", default=str(BENCHMARKS))
     ap.add_argument("--json", default=str(ROOT / "bench.json"))
-    ap.add_argument(
-        "--report-only", action="store_true", help="rewrite BENCHMARKS.md from an existing --json"
-    )
+    ap.add_argument("--report-only", action="store_true", help="rewrite --out from --json")
     ap.add_argument(
         "--decode-only",
         action="store_true",
-        help="re-run only the decoding comparison, updating an existing --json and BENCHMARKS.md",
+        help="re-run only the decoding comparison, updating an existing --json and --out",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 10, 2
+        args.no_peers = args.no_ablation = True
+        args.matmul_seconds = 0.5
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.report_only:
-        write_report(json.loads(Path(args.json).read_text()), Path(args.out))
+        write_report(read_json(args.json), Path(args.out))
         return 0
-    if args.decode_only:  # re-measure the decoding comparison only, keeping the rest of --json
-        res = json.loads(Path(args.json).read_text())
-        res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
-        res["decoding_minutes"], res["decoding_date"] = (
-            args.decode_minutes,
-            time.strftime("%Y-%m-%d %H:%M"),
-        )
-        res["decoding_cpu"] = cpu_model()
-        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
+    if args.decode_only:  # the decoding comparison again, the rest of --json kept
+        res = read_json(args.json)
+        found = decoding_comparison(args.decode_minutes, args.rounds + 1)
+        for note in found.pop("notes", []):
+            log(note)
+        res.update(found)
+        write_json(args.json, res)
         write_report(res, Path(args.out))
         return 0
-    if args.quick:
-        args.rounds, args.steps, args.warmup, args.no_peers = 1, 10, 2, True
-    torch.set_num_threads(2)
-    if not (MULTI30K / "train.en.gz").exists():
-        log(f"skipped: the benchmark corpus {MULTI30K} is not here (it ships in ../shared)")
+    cfg = bench_config(args.set)
+    try:
+        text_file(cfg.data.train, cfg.data.src_lang)
+    except DataError:
+        log(f"skipped: the benchmark corpus {cfg.data.train} is not here (it ships in ../shared)")
         return 0
+    res = measure(args, cfg)
+    write_json(args.json, res)
+    write_report(res, Path(args.out))
+    log(f"wrote {args.out} and {args.json}")
+    for k, v in res["training"].items():
+        log(f"{k}: {v['tok_s']:,.0f} tgt tok/s")
+    return 0
 
+
+def decoding_comparison(minutes: int, rounds: int) -> dict:
+    """The decoding rows and when and where they were measured; a note when there is no model."""
+    d = decode_side_by_side(minutes, rounds)
+    out = {"decoding": d, "decoding_minutes": minutes, "decoding_date": now()}
+    out["decoding_cpu"] = cpu_model()
+    if d is None:
+        out["notes"] = [
+            f"decoding not compared: run `make bench-quality` first (it trains ours and fairseq "
+            f"for {minutes} minutes each)"
+        ]
+    return out
+
+
+def measure(args: argparse.Namespace, cfg: Config) -> dict:
+    """Every figure of the report, into one dict (bench.json)."""
+    torch.set_num_threads(cfg.train.threads or 2)
     cpu = cpu_model()
     res: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "date": now(),
         "cpu": cpu,
         "cpu_bf16": cpu_bf16(),
         "machine": f"{cpu}, {platform.machine()} {os.cpu_count()} CPUs",
@@ -631,117 +616,37 @@ def main() -> int:
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
+        "model": {k: getattr(cfg.model, k) for k in BENCH_CONFIG["model"]},
+        "vocab_size": cfg.tokenizer.vocab_size,
+        "max_tokens": cfg.train.max_tokens,
         "notes": [],
     }
     log("matmul ceiling")
-    res["matmul_gflops"] = matmul_peak(0.5 if args.quick else 1.5)
-
-    log("building ours (tokenizer and cached corpus under runs/bench)")
-    step_fp32, trainer = ours_step_fn(BENCH_CONFIG, "fp32")
-    step_bf16, _ = ours_step_fn(BENCH_CONFIG, "bf16")
-    step_bf16_output, _ = ours_step_fn(BENCH_CONFIG, "bf16-output")
-    vocab = trainer.tokenizer.tgt_vocab_size
+    res["matmul_gflops"] = matmul_peak(cfg, args.matmul_seconds)
+    log(f"tokenizer and tokenized corpus (under {cfg.output_dir} and the corpus cache)")
+    bench = BenchData.load(cfg)
     need = args.warmup + args.steps
-    batches = [collate(trainer.data.train, b) for b in trainer.batches.epoch(1)[:need]]
-    real_s = sum(b.n_src_tokens for b in batches)
-    real_t = sum(b.n_tgt_tokens for b in batches)
-    res["padding"] = {
-        "src": 1 - real_s / sum(b.src.numel() for b in batches),
-        "tgt": 1 - real_t / sum(b.tgt_out.numel() for b in batches),
-    }
-    flops = sum(trainer.model.train_flops(b.src, b.tgt_out) for b in batches)
-    res["flops_per_tgt_token"] = flops / real_t
-    contenders = {
-        "ours_fp32": step_fp32,
-        "ours_bf16": step_bf16,
-        "ours_bf16-output": step_bf16_output,
-        "reference_fp32": reference_step_fn(vocab, False),
-        "reference_bf16": reference_step_fn(vocab, True),
-    }
-    if not args.quick:  # what each optimisation gives: ours in bf16 with it undone
-        contenders["ours_bf16_without_fast_dropout"] = ablation(BENCH_CONFIG, "torch_dropout")
+    batches = bench.batches(cfg.train.max_tokens, seed=cfg.train.seed, limit=need)
+    steps, ours = contenders(bench, cfg, ablation=not args.no_ablation)
+    res.update(batch_figures(batches, ours["fp32"]))
     peers = [] if args.no_peers or not peers_ready() else ["fairseq", "joey"]
-    windows: dict[str, list[float]] = {k: [] for k in contenders}
-    peer_runs: dict[str, list[dict]] = {p: [] for p in peers}
-    # ours and the reference window by window, then each peer, every round
-    for r in range(args.rounds):
-        log(f"round {r + 1}/{args.rounds}: {', '.join(contenders)}, window by window")
-        for name, v in interleaved_windows(contenders, batches, args.warmup).items():
-            windows[name] += v
-        for peer in peers:
-            out = run_peer("train_throughput.sh", peer, str(args.peer_updates))
-            if out:
-                peer_runs[peer].append(out)
-    res["training"] = {
-        k: {"tok_s": statistics.median(v), "windows": [round(x) for x in v]}
-        for k, v in windows.items()
-    }
-    # Ratios window by window (the same batches at the same moment), medians: steadier than ratios
-    # of medians.
-    res["window_ratios"] = {
-        f"{a}/{b}": statistics.median(x / y for x, y in zip(windows[a], windows[b]))
-        for a, b in (
-            ("ours_bf16", "reference_fp32"),
-            ("ours_bf16", "reference_bf16"),
-            ("ours_bf16", "ours_fp32"),
-            ("ours_bf16-output", "ours_fp32"),
-        )
-    }
-    if peers:
-        res["peers"] = {
-            p: {
-                "tok_s": statistics.median(float(o["tgt_tok_per_s"]) for o in runs),
-                "runs": [float(o["tgt_tok_per_s"]) for o in runs],
-                "peak_rss_mb": runs[-1].get("peak_rss_mb"),
-            }
-            for p, runs in peer_runs.items()
-            if runs
-        }
-
+    res.update(training_rounds(steps, batches, args, peers))
     log("tokens/s against batch size")
-    res["batch_scaling"] = []
-    tr_idx = trainer.data.train_idx
-    for mt in (1024, 2048, 4096, 8192, 16384):
-        order = make_batches(
-            trainer.data.train.src_lens[tr_idx],
-            trainer.data.train.tgt_lens[tr_idx],
-            mt,
-            seed=42,
-            epoch=1,
-        )
-        n = max(3, min(12, int(12 * 4096 / mt)))  # about the same number of tokens at every size
-        bs = [collate(trainer.data.train, tr_idx[b]) for b in order[: n + 2]]
-        res["batch_scaling"].append(
-            {
-                "max_tokens": mt,
-                "tok_s": time_windows(step_bf16, bs, 2, window=n)[0],
-                "sentences": statistics.mean(b.src.size(0) for b in bs),
-            }
-        )
+    res["batch_scaling"] = batch_scaling(bench, cfg, steps["ours_bf16"], args.batch_sizes)
     log("decoding cost against length")
-    res["decode_scaling"] = decode_cost_by_length(trainer, [10, 25, 50, 100, 200])
-
-    if not args.no_peers:
-        if peers:
-            log("beam-4 decoding side by side (models from make bench-quality)")
-            res["decoding"] = decode_side_by_side(args.decode_minutes, args.rounds + 1)
-            res["decoding_minutes"], res["decoding_cpu"] = args.decode_minutes, cpu_model()
-            if res["decoding"] is None:
-                res["notes"].append(
-                    f"decoding not compared: run `make bench-quality` first (it trains ours and "
-                    f"fairseq for {args.decode_minutes} minutes each)"
-                )
-        else:
-            res["notes"].append(
-                "peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)"
-            )
+    vocab = bench.tokenizer.src_vocab_size
+    res["decode_scaling"] = decode_cost_by_length(ours["fp32"], vocab, args.decode_lengths)
+    if peers:
+        log("beam-4 decoding side by side (models from make bench-quality)")
+        found = decoding_comparison(args.decode_minutes, args.rounds + 1)
+        res["notes"] += found.pop("notes", [])
+        res.update(found)
+    elif not args.no_peers:
+        res["notes"].append(
+            "peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)"
+        )
     res["peak_rss_mb"] = peak_rss_mb()
-    Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
-    write_report(res, Path(args.out))
-    log(f"wrote {args.out} and {args.json}")
-    for k, v in res["training"].items():
-        log(f"{k}: {v['tok_s']:,.0f} tgt tok/s")
-    return 0
+    return res
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""Beam-4 decoding of test_2016_flickr by every engine and precision, side by side (issue 15); `make
-bench` calls `decode_engines`, and `python scripts/bench_decode.py --child ...` is one contender's
-run.
+"""Beam-4 decoding by every engine and precision, side by side (issue 15): `make bench` calls
+`decode_engines` for the decoding table of its `speed` section; run alone, it writes the rows to
+--json.
 
-Every contender decodes the same batches: the 1,000 sources sorted by length and cut into batches of
+Every contender decodes the same batches: the sources sorted by length and cut into batches of
 `batch` sentences (fairseq-generate's --batch-size), on the same number of threads. Each run is a
-child process, which reports its own peak RSS (peak_rss_mb); rounds interleave the contenders and
-the table reports medians.
+child process (`--child`), which reports its own peak RSS; rounds interleave the contenders and the
+rows give medians.
+
+usage: python -m scripts.bench_decode --checkpoint CKPT [--src FILE --ref FILE] [--rounds 3]
+       [--only NAME ...] [--json bench_decode.json]
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts.benchlib import ROOT, TEST_PREFIX, json_of, logger, peak_rss_mb, write_json
+
 # name -> (engine, precision); CTranslate2 reads the export of its own quantization
 CONTENDERS = {
     "transformer-mt fp32": ("torch", "fp32"),
@@ -32,22 +35,6 @@ CONTENDERS = {
 }
 # fairseq-generate's beam 4, lenpen 1, max-len-b 200
 SETTINGS = {"beam": 4, "alpha": 1.0, "max_len": (0.0, 200)}
-
-
-def peak_rss_mb() -> float:
-    """This process's own peak resident set, MiB: VmHWM of /proc/self/status. Not ru_maxrss: Linux
-    carries the peak of the process that forked this one across exec into it, so every child of a 10
-    GB bench reported 10 GB (and os.wait4 or RUSAGE_CHILDREN read that same figure). Elsewhere
-    ru_maxrss is the best there is."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB elsewhere
 
 
 def child(
@@ -71,8 +58,8 @@ def child(
         max_len=SETTINGS["max_len"],
         precision=None if engine == "ctranslate2" else precision,
     )
-    # a batch is `batch` sentences, nothing else
-    t.decode = dataclasses.replace(t.decode, max_src_tokens=10**9)
+    # a batch is `batch` sentences, nothing else: no budget of source tokens cuts it further
+    t.defaults = dataclasses.replace(t.defaults, max_src_tokens=10**9)
     sources, references = read_lines(src), read_lines(ref)
     lengths = [len(x) for x in t.tokenizer.encode_src(sources)]
     order = sorted(range(len(sources)), key=lambda i: lengths[i])
@@ -91,9 +78,8 @@ def child(
         "bleu": round(s["bleu"], 2),
         "signature": s["signature"],
         "precision": t.precision,
-        "engine": t.engine,
-        # its own VmHWM (see decoding_table)
-        "peak_rss_mb": round(peak_rss_mb()),
+        "engine": t.name,
+        "peak_rss_mb": round(peak_rss_mb()),  # its own VmHWM, not the bench's
         "rss_of": "self",
     }
 
@@ -107,59 +93,36 @@ def decode_engines(
     *,
     batch: int = 64,
     threads: int = 2,
+    only: list[str] | None = None,
+    workdir: Path = ROOT / "runs" / "bench_ct2",
     fairseq: Callable[[], dict | None] | None = None,
 ) -> dict:
-    """Every contender (and fairseq-generate, when `fairseq` runs it) `rounds` times, interleaved;
-    medians."""
+    """Every contender (or the `only` ones; and fairseq-generate, when `fairseq` runs it) `rounds`
+    times, interleaved; medians."""
     from transformer_mt.export import export_ctranslate2
 
-    exports = {}
-    for quantization in ("float32", "int8"):
-        exports[quantization] = export_ctranslate2(
-            checkpoint, ROOT / "runs" / "bench_ct2" / quantization, quantization, force=True
+    chosen = {k: v for k, v in CONTENDERS.items() if not only or k in only}
+    models = {}
+    for name, (engine, precision) in chosen.items():
+        models[name] = (
+            export_ctranslate2(checkpoint, workdir / precision, precision, force=True)
+            if engine == "ctranslate2"
+            else checkpoint
         )
     runs: dict[str, list[dict]] = {}
     for r in range(rounds):
-        for name, (engine, precision) in CONTENDERS.items():
+        for name, (engine, precision) in chosen.items():
             log(f"decoding round {r + 1}/{rounds}: {name}")
-            model = exports[precision] if engine == "ctranslate2" else checkpoint
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--child",
-                    engine,
-                    precision,
-                    str(model),
-                    str(src),
-                    str(ref),
-                    "--batch",
-                    str(batch),
-                    "--threads",
-                    str(threads),
-                ],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-            )
-            if out.returncode != 0:
-                log(f"{name} failed: {out.stderr.strip()[-400:]}")
-                continue
-            runs.setdefault(name, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+            cmd = [sys.executable, "-m", "scripts.bench_decode", "--child", engine, precision]
+            cmd += [str(models[name]), str(src), str(ref), "--batch", str(batch)]
+            try:
+                runs.setdefault(name, []).append(json_of([*cmd, "--threads", str(threads)]))
+            except subprocess.CalledProcessError as e:  # the other contenders keep their rows
+                log(f"{name} failed: {e.stderr.strip()[-400:]}")
         if fairseq is not None:
             log(f"decoding round {r + 1}/{rounds}: fairseq")
-            f = fairseq()
-            if f:
-                runs.setdefault("fairseq", []).append(
-                    {
-                        "sent_s": float(f["decode_sent_per_s"]),
-                        "bleu": float(f["bleu"]),
-                        "signature": f.get("signature", ""),
-                        "precision": "fp32",
-                        "engine": "fairseq-generate",
-                        "peak_rss_mb": int(f.get("peak_rss_mb", 0) or 0),
-                    }
-                )
+            if f := fairseq():
+                runs.setdefault("fairseq", []).append(fairseq_row(f))
     return {
         name: {
             **v[-1],
@@ -168,11 +131,25 @@ def decode_engines(
             "peak_rss_mb": max(x["peak_rss_mb"] for x in v),
         }
         for name, v in runs.items()
+        if v
+    }
+
+
+def fairseq_row(f: dict) -> dict:
+    """A row from the peers kit's decode_speed.sh RESULT line."""
+    return {
+        "sent_s": float(f["decode_sent_per_s"]),
+        "bleu": float(f["bleu"]),
+        "signature": f.get("signature", ""),
+        "precision": "fp32",
+        "engine": "fairseq-generate",
+        "peak_rss_mb": int(f.get("peak_rss_mb", 0) or 0),
     }
 
 
 def conclusions(d: dict) -> list[str]:
-    """Sentences computed from the figures: the issue's two targets, met or not, and by how much."""
+    """Sentences computed from the figures: the issue's two targets, met or not, and by how
+    much."""
     out = []
     ct2, fs = d.get("ctranslate2 int8", {}).get("sent_s"), d.get("fairseq", {}).get("sent_s")
     if ct2 and fs:
@@ -180,60 +157,75 @@ def conclusions(d: dict) -> list[str]:
             f"CTranslate2 int8 through tmt decodes {ct2 / fs:.2f}× as fast as fairseq-generate "
             f"(target ≥ 3×: {'met' if ct2 / fs >= 3 else 'not met'})."
         )
-    ours32 = d.get("transformer-mt fp32", {}).get("sent_s")
+    ours32 = d.get("transformer-mt fp32", {})
     if ours32 and fs:
         out.append(
-            f"fp32 against fp32, the headline: ours decodes {ours32 / fs:.2f}× as fast as "
-            "fairseq-generate."
+            f"fp32 against fp32, the headline: ours decodes {ours32['sent_s'] / fs:.2f}× as fast "
+            "as fairseq-generate."
         )
-    ours = {k: v for k, v in d.items() if k.startswith("transformer-mt")}
+    ours = {k: v["sent_s"] for k, v in d.items() if k.startswith("transformer-mt")}
+    ct2s = {k: v["sent_s"] for k, v in d.items() if k.startswith("ctranslate2")}
     if ct2 and ours:
-        best = max(ours, key=lambda k: ours[k]["sent_s"])
-        ratio = ours[best]["sent_s"] / ct2
+        best = max(ours, key=ours.get)
+        fastest = max(ct2s, key=ct2s.get)
         out.append(
-            f"Our fastest PyTorch decoding ({best}) runs at {ratio:.2f}× CTranslate2 int8 "
-            f"(target ≥ 0.5×: {'met' if ratio >= 0.5 else 'not met'})."
+            f"Our fastest PyTorch decoding ({best}) runs at {ours[best] / ct2:.2f}× CTranslate2 "
+            f"int8 (target ≥ 0.5×: {'met' if ours[best] / ct2 >= 0.5 else 'not met'})."
         )
-        ct2s = {k: v for k, v in d.items() if k.startswith("ctranslate2")}
-        fastest = max(ct2s, key=lambda k: ct2s[k]["sent_s"])
         out.append(
             f"The fastest CTranslate2 here is {fastest}; our fastest runs at "
-            f"{ours[best]['sent_s'] / ct2s[fastest]['sent_s']:.2f}× it."
+            f"{ours[best] / ct2s[fastest]:.2f}× it."
         )
-    if (
-        fs
-        and ours
-        and abs(
-            d["fairseq"]["bleu"]
-            - d.get("transformer-mt fp32", {}).get("bleu", d["fairseq"]["bleu"])
-        )
-        > 2
-    ):
+    if fs and ours32 and abs(d["fairseq"]["bleu"] - ours32["bleu"]) > 2:
         out.append(
             f"fairseq decodes another model (BLEU {d['fairseq']['bleu']} against ours "
-            f"{d['transformer-mt fp32']['bleu']}): its outputs differ in length, so the ratios to "
-            "it compare "
-            "engines on different work."
+            f"{ours32['bleu']}): its outputs differ in length, so the ratios to it compare engines "
+            "on different work."
         )
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m scripts.bench_decode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument(
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--checkpoint", type=Path, help="the model every contender decodes")
+    mode.add_argument(
         "--child",
         nargs=5,
         metavar=("ENGINE", "PRECISION", "MODEL", "SRC", "REF"),
-        required=True,
         help="decode as one contender and print its JSON line",
     )
+    ap.add_argument("--src", type=Path, default=Path(f"{TEST_PREFIX}.en.gz"))
+    ap.add_argument("--ref", type=Path, default=Path(f"{TEST_PREFIX}.de.gz"))
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--only", action="append", choices=list(CONTENDERS), help="these contenders")
     ap.add_argument("--batch", type=int, default=64, help="sentences per batch")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads")
-    args = ap.parse_args()
-    print(json.dumps(child(*args.child, batch=args.batch, threads=args.threads)))
-    return 0
+    ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench_ct2", help="exports")
+    ap.add_argument("--json", default=str(ROOT / "bench_decode.json"))
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child, batch=args.batch, threads=args.threads)))
+        return 0
+    rows = decode_engines(
+        args.checkpoint,
+        args.src,
+        args.ref,
+        args.rounds,
+        logger("bench_decode"),
+        batch=args.batch,
+        threads=args.threads,
+        only=args.only,
+        workdir=args.workdir,
+    )
+    write_json(args.json, {"checkpoint": str(args.checkpoint), "decoding": rows})
+    for c in conclusions(rows):
+        print(c)
+    return 0 if rows else 1
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ MKL_ENABLE_INSTRUCTIONS), which approximates an AVX2-only CPU such as an AMD EPY
 where bf16 is emulated. Writes bench_demo.json and its section of BENCHMARKS.md, and prints whether
 the targets hold (BLEU >= 90, <= 5 minutes, 5 of 5 complete).
 
-usage: python scripts/bench_demo.py [--avx2] [--json bench_demo.json] [--out BENCHMARKS.md]
+usage: python -m scripts.bench_demo [--avx2] [--json bench_demo.json] [--out BENCHMARKS.md]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -24,9 +23,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import cpu_bf16, cpu_model, replace_section, reported_flags
+from scripts.benchlib import (
+    BENCHMARKS,
+    ROOT,
+    cpu_bf16,
+    cpu_model,
+    md_table,
+    now,
+    read_json,
+    reported_flags,
+    write_json,
+    write_section,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 AVX2_ONLY = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -35,15 +44,17 @@ AVX2_ONLY = {
 TARGETS = {"bleu": 90.0, "seconds": 300.0, "complete": 5}
 
 
-def run_demo(avx2: bool) -> tuple[float, str, int]:
-    """`make demo` in a fresh clone: wall-clock seconds, everything it printed, and its exit
-    status."""
+def run_demo(avx2: bool, command: str = "make demo") -> tuple[float, str, int]:
+    """`make demo` (or another shell command) in a fresh clone of HEAD: wall-clock seconds,
+    everything it printed, and its exit status."""
     env = {**os.environ, **(AVX2_ONLY if avx2 else {})}
     with tempfile.TemporaryDirectory(prefix="tmt-demo-") as tmp:
         clone = Path(tmp) / "transformer-mt"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
         start = time.perf_counter()
-        proc = subprocess.run(["make", "demo"], cwd=clone, env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True
+        )
         return time.perf_counter() - start, proc.stdout + proc.stderr, proc.returncode
 
 
@@ -87,12 +98,13 @@ def verdict(res: dict) -> dict[str, bool]:
     }
 
 
-def write_section(res: dict, path: Path) -> None:
-    rows = "\n".join(
-        f"| {s['output']} | {s['reference']} | {'yes' if s['complete'] else '**no**'} | "
-        f"{'yes' if s['exact'] else 'no'} |"
-        for s in res["samples"]
-    )
+def write_report(res: dict, path: Path) -> str:
+    """The `demo` (or `demo-avx2`) section, from the JSON alone."""
+    rows = [
+        (x["output"], x["reference"], "yes" if x["complete"] else "**no**")
+        + ("yes" if x["exact"] else "no",)
+        for x in res["samples"]
+    ]
     met = "; ".join(
         f"{t}: {'met' if ok else '**not met**'}" for t, ok in res["targets_met"].items()
     )
@@ -101,57 +113,64 @@ def write_section(res: dict, path: Path) -> None:
         if res["avx2"]
         else "the CPU's own kernels"
     )
-    text = f"""## `make demo` from a fresh clone (`scripts/bench_demo.py`)
+    command = res.get("command", "make demo")
+    venv = "; a new .venv from the pip cache" if command == "make demo" else ""
+    return write_section(
+        path,
+        "demo-avx2" if res["avx2"] else "demo",
+        "## `make demo` from a fresh clone (`scripts/bench_demo.py`)",
+        f"{res['date']}, {res['cpu']} (flags: {', '.join(res['cpu_flags'])}; bf16 in hardware: "
+        f"{res['cpu_bf16']}), with {kernels}{venv}. `{command}` took "
+        f"**{res['seconds']:.0f} s** (exit status {res['exit_status']}); training made "
+        f"{res['updates']} updates in {res['train_minutes']} min. {res['precision_line'] or ''}",
+        f"Test BLEU **{res['bleu']}** (`{res['signature']}`).",
+        md_table(["sample translation", "reference", "complete", "exact"], rows),
+        f"Targets: {met}.",
+    )
 
-{res["date"]}, {res["cpu"]} (flags: {", ".join(res["cpu_flags"])}; bf16 in hardware: {res["cpu_bf16"]}), with
-{kernels}; a new .venv from the pip cache. `make demo` took **{res["seconds"]:.0f} s** (exit status
-{res["exit_status"]}); training made {res["updates"]} updates in {res["train_minutes"]} min. {res["precision_line"] or ""}
 
-Test BLEU **{res["bleu"]}** (`{res["signature"]}`).
-
-| sample translation | reference | complete | exact |
-| --- | --- | --- | --- |
-{rows}
-
-Targets: {met}.
-"""
-    replace_section(path, "demo-avx2" if res["avx2"] else "demo", text)
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m scripts.bench_demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--avx2",
-        action="store_true",
-        help="AVX2 kernels only: approximate an AVX2-only CPU",
+        "--avx2", action="store_true", help="AVX2 kernels only: approximate an AVX2-only CPU"
     )
     parser.add_argument(
-        "--json",
-        default=None,
-        help="default: bench_demo.json (bench_demo_avx2.json with --avx2)",
+        "--command",
+        default="make demo",
+        help="the shell command to time in the clone (default: make demo)",
     )
-    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-    args = parser.parse_args()
-    seconds, text, status = run_demo(args.avx2)
+    parser.add_argument(
+        "--json", default=None, help="default: bench_demo.json (bench_demo_avx2.json with --avx2)"
+    )
+    parser.add_argument("--out", default=str(BENCHMARKS))
+    parser.add_argument("--report-only", action="store_true", help="rewrite --out from --json")
+    args = parser.parse_args(argv)
+    json_path = Path(args.json or ROOT / f"bench_demo{'_avx2' if args.avx2 else ''}.json")
+    if args.report_only:
+        write_report(read_json(json_path), Path(args.out))
+        return 0
+    seconds, text, status = run_demo(args.avx2, args.command)
     references = (ROOT / "configs" / "demo_samples.de").read_text(encoding="utf-8").splitlines()
     parsed = parse_output(text)
     res = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "date": now(),
         "cpu": cpu_model(),
         "cpu_flags": reported_flags(),
         "cpu_bf16": cpu_bf16(),
         "avx2": args.avx2,
+        "command": args.command,
         "seconds": round(seconds, 1),
         "exit_status": status,
         **parsed,
         "samples": judge_samples(parsed["samples"], references),
     }
     res["targets_met"] = verdict(res)
-    json_path = Path(args.json or ROOT / f"bench_demo{'_avx2' if args.avx2 else ''}.json")
-    json_path.write_text(json.dumps(res, indent=2, ensure_ascii=False), encoding="utf-8")
-    write_section(res, Path(args.out))
+    write_json(json_path, res)
+    write_report(res, Path(args.out))
     if status != 0:
         print(text[-3000:], file=sys.stderr)
     for target, ok in res["targets_met"].items():

@@ -1,27 +1,23 @@
 """`make bench-quality`: the Multi30k recipe end to end, and an equal-budget comparison with
-fairseq.
+fairseq, into the `quality` section of BENCHMARKS.md and bench_quality.json.
 
-  recipe  tmt train configs/multi30k_en_de_local.yaml into a clean run directory, then tmt evaluate
-  on
-          test_2016_flickr (the recipe's beam): BLEU, chrF, TER with signatures, minutes, steps,
-          tok/s.
-  budget  (--budget M) ours and ../shared/peers/budget.sh fairseq M with the peers' model,
-  regularisation,
-          schedule and precision (BUDGET_SETTINGS): BLEU of the last and own-best checkpoints,
-          beam-4 speed.
+  recipe     `tmt train configs/multi30k_en_de_local.yaml` into a clean run directory, then `tmt
+             evaluate` on test_2016_flickr (the recipe's beam): BLEU, chrF, TER with signatures,
+             minutes, steps, tok/s; the run's settings and scores go to docs/multi30k.md.
+  budget     (--budget M) ours and `../shared/peers/budget.sh fairseq M` with the peers' model,
+             regularisation, schedule and precision (BUDGET_SETTINGS): BLEU of the last and
+             own-best checkpoints, beam-4 speed.
   precision  (--fp32-steps N) when the recipe trained in bf16, the recipe in fp32 for N steps:
-  validation
-          BLEU against the recipe run's at the same steps.
+             validation BLEU against the recipe run's at the same steps.
 
-Writes the `quality` section of BENCHMARKS.md and bench_quality.json.
-usage: python scripts/bench_quality.py [--recipe CONFIG] [--budget MINUTES] [--fp32-steps N]
-[--skip-recipe]
+usage: python -m scripts.bench_quality [--recipe CONFIG] [--budget MINUTES] [--fp32-steps N]
+       [--skip-recipe] [--report-only]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
 import shutil
 import subprocess
@@ -33,22 +29,31 @@ from pathlib import Path
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.benchlib import (
+    BENCHMARKS,
+    MULTI30K,
+    PEERS_DIR,
+    ROOT,
+    TEST_PREFIX,
+    TMT,
+    cpu_model,
+    evaluate_checkpoint,
+    logger,
+    md_table,
+    now,
+    peers_ready,
+    read_json,
+    run_peer,
+    src_ref_files,
+    tb_scalars,
+    write_json,
+    write_section,
+)
+from transformer_mt.checkpoint import step_checkpoints
+from transformer_mt.data import DataError
+from transformer_mt.fileio import atomic_write
 
-from bench import MULTI30K, PEERS_DIR, evaluate_test, peers_ready, run_peer  # noqa: E402
-from benchlib import cpu_model, replace_section  # noqa: E402
-
-from transformer_mt.checkpoint import step_checkpoints  # noqa: E402
-from transformer_mt.fileio import atomic_write  # noqa: E402
-
-TMT = [sys.executable, "-m", "transformer_mt"]
-
-
-def log(msg: str) -> None:
-    print(f"[bench-quality] {msg}", file=sys.stderr, flush=True)
-
+log = logger("bench-quality")
 
 # The peers' model and training (../shared/peers/common.sh), key for key: 3+3 layers, d 256, FFN
 # 1024, pre-norm, all embeddings tied, dropout 0.1 on residuals, attention and activations; inverse
@@ -77,19 +82,21 @@ BUDGET_SETTINGS = [
     "train.average_last=0",
     "train.max_steps=100000",
 ]
+# Minutes from launch at which the recipe's newest step checkpoint is kept and scored on test (the
+# end is the third).
+TEST_MARKS = (20.0, 40.0)
 
 
 def train_clean(
     config: str, run_dir: Path, overrides: list[str], marks: tuple[float, ...] = ()
 ) -> float:
-    """`tmt train CONFIG` into a fresh run directory with --set overrides; returns the wall-clock
-    minutes. With `marks`, the newest step checkpoint is copied as each mark (minutes from launch)
-    passes (Snapshots)."""
-    shutil.rmtree(ROOT / run_dir, ignore_errors=True)
+    """`tmt train CONFIG` into a fresh run directory with --set overrides; the wall-clock minutes.
+    With `marks`, the newest step checkpoint is copied as each mark (minutes from launch) passes."""
+    shutil.rmtree(run_dir, ignore_errors=True)
     sets = [a for o in [f"output_dir={run_dir}", *overrides] for a in ("--set", o)]
     log(f"training {config} into {run_dir}")
     t0 = time.perf_counter()
-    with Snapshots(ROOT / run_dir, marks):
+    with Snapshots(run_dir, marks):
         subprocess.run([*TMT, "-q", "train", config, *sets], cwd=ROOT, check=True)
     return round((time.perf_counter() - t0) / 60, 1)
 
@@ -106,7 +113,7 @@ class Snapshots:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> "Snapshots":
+    def __enter__(self) -> Snapshots:
         self.started = time.perf_counter()
         if self.marks:
             self._thread.start()
@@ -132,16 +139,19 @@ class Snapshots:
             self.taken[mark] = dest
 
 
+def train_state(run_dir: Path) -> dict:
+    """The loop's state in the run's last checkpoint: steps, epochs, seconds, precision."""
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]
+
+
 def train_and_evaluate(
-    config: str, run_dir: Path, overrides: list[str], beam: int | None = None, train: bool = True
+    config: str, run_dir: Path, overrides: list[str], test: Path, train: bool = True
 ) -> dict:
-    """Train from a clean run directory, then evaluate the run's best checkpoint on test_2016_flickr
-    (with the run's own beam unless `beam` is given)."""
+    """Train from a clean run directory (unless `train` is false), then evaluate the run's best
+    checkpoint on the test set with the run's own beam."""
     minutes = train_clean(config, run_dir, overrides, marks=TEST_MARKS) if train else None
-    flags = ["--beam", str(beam)] if beam else []
-    result = evaluate_test(ROOT / run_dir, *flags)
-    last = torch.load(ROOT / run_dir / "checkpoints" / "last.pt", weights_only=True)
-    state = last["train_state"]
+    result = evaluate_checkpoint(run_dir, test=test)
+    state = train_state(run_dir)
     result.update(
         train_minutes=minutes or round(state["seconds"] / 60, 1),
         steps=state["step"],
@@ -149,47 +159,32 @@ def train_and_evaluate(
         tgt_tok_per_s=round(state["target_tokens"] / max(state["seconds"], 1e-9)),
         evaluated=Path(result["checkpoint"]).name,
         trained_precision=state.get("precision") or "?",
-        valid_bleu_by_minute=valid_bleu_by_minute(ROOT / run_dir),
-        test_bleu_by_minute=test_bleu_by_minute(ROOT / run_dir, flags),
+        valid_bleu_by_minute=valid_bleu_by_minute(run_dir),
+        test_bleu_by_minute=test_bleu_by_minute(run_dir, test),
     )
     return result
 
 
-# Minutes from launch at which the recipe's newest step checkpoint is kept and scored on test (the
-# end is the third).
-TEST_MARKS = (20.0, 40.0)
-
-
-def test_bleu_by_minute(run_dir: Path, flags: list[str]) -> dict[str, dict]:
+def test_bleu_by_minute(run_dir: Path, test: Path) -> dict[str, dict]:
     """Test BLEU (and tokenized BLEU where the evaluation gives it) of the snapshot taken at each
-    mark (the newest step checkpoint then, unaveraged), keyed by minute; the end is the run's own
-    result."""
+    mark (the newest step checkpoint then, unaveraged), keyed by minute."""
     out = {}
     for mark in TEST_MARKS:
         path = run_dir / "checkpoints" / f"at_{mark:g}min.pt"
         if path.exists():
-            r = evaluate_test(path, *flags)
+            r = evaluate_checkpoint(path, test=test)
             out[f"{mark:g}"] = {k: r[k] for k in ("step", "bleu", "tokenized_bleu") if k in r}
     return out
 
 
-def both_bleus(r: dict) -> str:
-    """ "sacreBLEU / tokenized BLEU", or sacreBLEU alone when the evaluation gave no tokenized
-    BLEU."""
-    return f"{r['bleu']:.2f}" + (f" / {r['tokenized_bleu']:.2f}" if "tokenized_bleu" in r else "")
-
-
 def valid_bleu_by_minute(run_dir: Path, marks: tuple[int, ...] = (20, 40, 60)) -> dict[str, float]:
-    """The validation BLEU of the last validation at or before 20, 40 and 60 minutes of the run
-    (event times from the first event, so set-up before it is not counted)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"))
-    acc.Reload()
-    if "valid/bleu" not in acc.Tags()["scalars"]:
+    """The validation BLEU of the last validation at or before each mark, in minutes from the run's
+    first event (set-up before it is not counted), from its tb/ events."""
+    scalars = tb_scalars(run_dir)
+    events = scalars.get("valid/bleu", [])
+    if not events:
         return {}
-    events = acc.Scalars("valid/bleu")
-    start = min(e.wall_time for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag))
+    start = min(e.wall_time for tag in scalars.values() for e in tag)
     out = {}
     for m in marks:
         before = [e for e in events if e.wall_time - start <= m * 60]
@@ -198,160 +193,23 @@ def valid_bleu_by_minute(run_dir: Path, marks: tuple[int, ...] = (20, 40, 60)) -
     return out
 
 
-def report(res: dict) -> str:
-    lines = ["## Quality (Multi30k En→De, test_2016_flickr, 1,000 sentences)", ""]
-    if "recipe" in res:
-        r = res["recipe"]
-        lines += [
-            f"`tmt train {res['recipe_config']}` from a clean run directory on {res['date']} on "
-            f"**{res.get('cpu', 'an unrecorded CPU')}** (2 cores), trained in "
-            f"{r.get('trained_precision', '?')}, then "
-            f"`tmt evaluate` with beam {r['beam']} on the checkpoint the recipe selected "
-            f"({r['evaluated']}).",
-            "",
-            "| BLEU | chrF | TER | training minutes | steps | epochs | target tok/s | decode "
-            "sent/s |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-            f"| {r['bleu']:.2f} | {r['chrf']:.2f} | {r['ter']:.2f} | {r['train_minutes']} | "
-            f"{r['steps']:,} | "
-            f"{r['epochs']} | {r['tgt_tok_per_s']:,} | {r['sentences_per_second']} |",
-            "",
-            f"BLEU signature: `{r['bleu_signature']}`; chrF: `{r['chrf_signature']}`; TER: "
-            f"`{r['ter_signature']}`.",
-            "",
-        ]
-        if "tokenized_bleu" in r:
-            lines += [
-                "Beside it, the literature's measure: **tokenized BLEU "
-                f"{r['tokenized_bleu']:.2f}** (sacreBLEU "
-                f"{r['bleu']:.2f}), {r['tokenized_bleu_description']}.",
-                "",
-            ]
-        if r.get("test_bleu_by_minute"):
-            lines += [
-                "Test BLEU on the way (the newest step checkpoint as each mark passed, minutes "
-                "from launch with "
-                f"set-up, not averaged; beam {r['beam']}), as sacreBLEU / tokenized BLEU: "
-                + "; ".join(
-                    f"{m} min (step {v['step']:,}): {both_bleus(v)}"
-                    for m, v in r["test_bleu_by_minute"].items()
-                )
-                + f"; the end ({r['evaluated']}, step {r['step']:,}): {both_bleus(r)}.",
-                "",
-            ]
-        if r.get("valid_bleu_by_minute"):
-            lines += [
-                "Validation BLEU (greedy, whole dev set) of the last validation by each mark: "
-                + "; ".join(f"{m} min: {b}" for m, b in r["valid_bleu_by_minute"].items())
-                + ".",
-                "",
-            ]
-    if "tokenization_agreement" in res:
-        a = res["tokenization_agreement"]
-        lines += [
-            "Our tokenization of the raw German references against the official "
-            "`tok/*.lc.norm.tok.de` files: "
-            + "; ".join(
-                f"{split} {v['same']:,} of {v['lines']:,} lines identical" for split, v in a.items()
-            )
-            + ".",
-            "",
-        ]
-    if "budget" in res and "rows" not in res["budget"]:
-        lines += [
-            "The earlier equal-budget race trained the two toolkits with different regularisation, "
-            "precision and "
-            "checkpoint selection; it is not shown. `scripts/bench_quality.py --budget 20` runs it "
-            "like for like.",
-            "",
-        ]
-    elif "budget" in res:
-        b = res["budget"]
-        lines += [
-            f"### Equal budget: {b['minutes']:g} minutes of training, the same model and "
-            "regularisation",
-            "",
-            "Both toolkits train the peers' model and schedule (3+3 layers, d 256, FFN 1024, "
-            "pre-norm, tied "
-            "embeddings, dropout 0.1 on residuals, attention and activations, 200 warm-up updates "
-            "to a 1e-3 "
-            f"peak, seed 42) for {b['minutes']:g} minutes from launch, set-up included, one after "
-            "the other on "
-            f"the same machine: ours with `{' '.join(BUDGET_SETTINGS)} "
-            f"train.max_minutes={b['minutes']:g}`, "
-            f"fairseq with `../shared/peers/budget.sh fairseq {b['minutes']:g}`. Each is judged on "
-            "its last "
-            "checkpoint, and, as a second row, on the checkpoint its own selection keeps inside "
-            "the budget "
-            "(ours: best validation BLEU; fairseq: best validation loss). Beam 4, length penalty "
-            "1.0 by each "
-            "toolkit's formula (ours GNMT ((5 + |Y|) / 6)^α, fairseq |Y|^α).",
-            "",
-            "| toolkit | checkpoint | precision | updates | BLEU | decode sent/s | signature |",
-            "| --- | --- | --- | ---: | ---: | ---: | --- |",
-        ]
-        for v in b["rows"]:
-            lines.append(
-                f"| {v['toolkit']} | {v['checkpoint']} | {v['precision']} | {v.get('steps', '?')} "
-                "| "
-                f"{v['bleu']} | {v['decode_sent_per_s']} | `{v['signature']}` |"
-            )
-        by = {(v["toolkit"], v["selection"]): v for v in b["rows"]}
-        for sel in ("last", "own best"):
-            ours, fs = by.get(("transformer-mt", sel)), by.get(("fairseq", sel))
-            if ours and fs:
-                updates = (
-                    f", after {ours['steps'] / fs['steps']:.2f}× its updates in the same minutes"
-                    if all(isinstance(v.get("steps"), int) for v in (ours, fs))
-                    else ""
-                )
-                lines += [
-                    "",
-                    f"{sel.capitalize()} checkpoints: ours {ours['bleu'] - fs['bleu']:+.2f} BLEU "
-                    "against "
-                    f"fairseq{updates}; decoding "
-                    f"{ours['decode_sent_per_s'] / fs['decode_sent_per_s']:.2f}× "
-                    "as fast.",
-                ]
-        lines.append("")
-    if "precision" in res and res.get("recipe", {}).get("trained_precision") == "bf16":
-        p = res["precision"]
-        lines += [
-            "### bf16 against fp32 at equal steps (validation BLEU, greedy, whole dev set)",
-            "",
-            f"The recipe run (bf16) and the same recipe in fp32 for {p['steps']} steps (same seed "
-            "and "
-            "batches).",
-            "",
-            "| step | bf16 | fp32 | bf16 − fp32 |",
-            "| ---: | ---: | ---: | ---: |",
-        ]
-        lines += [
-            f"| {r['step']:,} | {r['bf16']} | {r['fp32']} | {r['diff']:+.2f} |" for r in p["rows"]
-        ]
-        lines.append("")
-    return "\n".join(lines)
+def valid_bleu_by_step(run_dir: Path) -> dict[int, float]:
+    """Validation BLEU at each validated step, from the run's tb/ events."""
+    return {e.step: round(e.value, 2) for e in tb_scalars(run_dir).get("valid/bleu", [])}
 
 
-def budget_race(config: str, minutes: float) -> list[dict]:
+def budget_race(
+    config: str, minutes: float, run_dir: Path, extra: list[str], test: Path
+) -> list[dict]:
     """Ours and fairseq with the same model, regularisation and schedule for `minutes` each
     (BUDGET_SETTINGS): rows for each toolkit's last checkpoint and the one its own selection
     keeps."""
-    run_dir = Path("runs") / f"budget_{minutes:g}min"
-    train_clean(config, run_dir, BUDGET_SETTINGS + [f"train.max_minutes={minutes}"])
-    state = torch.load(ROOT / run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]
+    train_clean(config, run_dir, [*BUDGET_SETTINGS, f"train.max_minutes={minutes}", *extra])
+    state = train_state(run_dir)
     rows = []
     for selection, name in (("last", "last.pt"), ("own best", "best.pt")):
-        r = evaluate_test(
-            ROOT / run_dir / "checkpoints" / name,
-            "--beam",
-            "4",
-            "--alpha",
-            "1.0",
-            "--max-len",
-            "0",
-            "200",
-        )
+        flags = ("--beam", "4", "--alpha", "1.0", "--max-len", "0", "200")
+        r = evaluate_checkpoint(run_dir / "checkpoints" / name, *flags, test=test)
         rows.append(
             {
                 "toolkit": "transformer-mt",
@@ -367,86 +225,60 @@ def budget_race(config: str, minutes: float) -> list[dict]:
     if not peers_ready():
         log("fairseq skipped: the peers kit is not set up (bash ../shared/peers/setup.sh)")
         return rows
+    return rows + fairseq_budget(minutes)
+
+
+def fairseq_budget(minutes: float) -> list[dict]:
+    """fairseq's rows of the budget race: trained by the peers kit for `minutes`, its last and its
+    own best checkpoint decoded."""
     out = run_peer("budget.sh", "fairseq", f"{minutes:g}", timeout=int(minutes * 60 + 1800))
     fs_run = PEERS_DIR / "runs" / f"fairseq_budget_{minutes:g}min"
-    best = (
-        run_peer(
-            "decode_speed.sh", "fairseq", str(fs_run / "checkpoints" / "checkpoint_best.pt"), "64"
-        )
-        if out
-        else None
-    )
+    best_ckpt = str(fs_run / "checkpoints" / "checkpoint_best.pt")
+    best = run_peer("decode_speed.sh", "fairseq", best_ckpt, "64") if out else None
     updates = fairseq_updates(fs_run / "train.log")
-    for selection, name, r in (
-        ("last", "checkpoint_last.pt", out),
-        ("own best", "checkpoint_best.pt", best),
-    ):
-        if r:
-            rows.append(
-                {
-                    "toolkit": "fairseq",
-                    "selection": selection,
-                    "checkpoint": name,
-                    "precision": "fp32",
-                    "steps": updates,
-                    "bleu": float(r["bleu"]),
-                    "decode_sent_per_s": float(r["decode_sent_per_s"]),
-                    "signature": r.get("signature", ""),
-                }
-            )
-    return rows
+    return [
+        {
+            "toolkit": "fairseq",
+            "selection": selection,
+            "checkpoint": name,
+            "precision": "fp32",
+            "steps": updates,
+            "bleu": float(r["bleu"]),
+            "decode_sent_per_s": float(r["decode_sent_per_s"]),
+            "signature": r.get("signature", ""),
+        }
+        for selection, name, r in (
+            ("last", "checkpoint_last.pt", out),
+            ("own best", "checkpoint_best.pt", best),
+        )
+        if r
+    ]
 
 
 def fairseq_updates(train_log: Path) -> int | str:
     """The last num_updates fairseq-train logged ('?' without a log)."""
-    found = (
-        re.findall(r"num_updates[ =](\d+)", train_log.read_text(errors="replace"))
-        if train_log.exists()
-        else []
-    )
+    text = train_log.read_text(errors="replace") if train_log.exists() else ""
+    found = re.findall(r"num_updates[ =](\d+)", text)
     return int(found[-1]) if found else "?"
 
 
-def valid_bleu_by_step(run_dir: Path) -> dict[int, float]:
-    """Validation BLEU at each validated step, from the run's TensorBoard events."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"))
-    acc.Reload()
-    if "valid/bleu" not in acc.Tags()["scalars"]:
-        return {}
-    return {e.step: round(e.value, 2) for e in acc.Scalars("valid/bleu")}
-
-
-def precision_check(config: str, steps: int) -> dict | None:
+def precision_check(
+    config: str, recipe_dir: Path, steps: int, run_dir: Path, extra: list[str]
+) -> dict | None:
     """The recipe in fp32 for `steps` updates beside the recipe run when it trained in bf16 (same
     seed and batches); None when it trained in fp32 (precision auto's choice on a CPU without fast
     bf16)."""
-    recipe_dir = ROOT / yaml.safe_load((ROOT / config).read_text())["output_dir"]
-    last = torch.load(recipe_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]
-    if last.get("precision") != "bf16":
-        log(
-            f"precision check skipped: {recipe_dir} trained in {last.get('precision') or '?'}, not "
-            "bf16"
-        )
+    precision = train_state(recipe_dir).get("precision") or "?"
+    if precision != "bf16":
+        log(f"precision check skipped: {recipe_dir} trained in {precision}, not bf16")
         return None
-    run_dir = Path("runs") / "precision_fp32"
-    train_clean(
-        config,
-        run_dir,
-        [
-            "train.precision=fp32",
-            f"train.max_steps={steps}",
-            "train.max_minutes=0",
-            "train.average_last=0",
-            "train.save_every=0",
-            "train.keep_last=0",
-        ],
-    )
-    bf16, fp32 = valid_bleu_by_step(recipe_dir), valid_bleu_by_step(ROOT / run_dir)
+    fp32 = ["train.precision=fp32", f"train.max_steps={steps}", "train.max_minutes=0"]
+    fp32 += ["train.average_last=0", "train.save_every=0", "train.keep_last=0"]
+    train_clean(config, run_dir, [*extra, *fp32])
+    bf16, fp32_bleu = valid_bleu_by_step(recipe_dir), valid_bleu_by_step(run_dir)
     rows = [
-        {"step": k, "bf16": bf16[k], "fp32": fp32[k], "diff": round(bf16[k] - fp32[k], 2)}
-        for k in sorted(set(bf16) & set(fp32))
+        {"step": k, "bf16": bf16[k], "fp32": fp32_bleu[k], "diff": round(bf16[k] - fp32_bleu[k], 2)}
+        for k in sorted(set(bf16) & set(fp32_bleu))
     ]
     return {"steps": steps, "rows": rows}
 
@@ -470,76 +302,178 @@ RECIPE_KEYS = [
     ("train", "average_last"),
     ("decode", "alpha"),
 ]
+RESULT_KEYS = ["trained_precision", "steps", "train_minutes", "evaluated", "beam", "bleu"]
+RESULT_KEYS += ["tokenized_bleu", "chrf"]
 
 
-def record_experiment(res: dict, config: str, run_dir: Path, result: dict) -> None:
-    """Append a recipe run (its settings and scores) to the history behind docs/multi30k.md."""
-    cfg = yaml.safe_load((ROOT / run_dir / "config.yaml").read_text())
+def record_experiment(res: dict, config: str, run_dir: Path, history: Path) -> None:
+    """Append the recipe run (its settings and scores) to res["history"] and write the history
+    table into `history` (docs/multi30k.md's `experiments` section)."""
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     entry = {
         "date": res["date"],
         "config": config,
-        **{f"{a}.{b}": cfg[a].get(b, "") for a, b in RECIPE_KEYS},
-        **{
-            k: result.get(k, "")
-            for k in (
-                "bleu",
-                "tokenized_bleu",
-                "chrf",
-                "steps",
-                "train_minutes",
-                "beam",
-                "evaluated",
-                "trained_precision",
-            )
-        },
         "cpu": res.get("cpu", ""),
+        **{f"{a}.{b}": cfg[a].get(b, "") for a, b in RECIPE_KEYS},
+        **{k: res["recipe"].get(k, "") for k in RESULT_KEYS},
     }
-    history = [h for h in res.get("history", []) if h["date"] != entry["date"]]
-    res["history"] = history + [entry]
-    head = [
-        "date",
-        "cpu",
-        *[f"{a}.{b}" for a, b in RECIPE_KEYS],
-        "trained_precision",
-        "steps",
-        "train_minutes",
-        "evaluated",
-        "beam",
-        "bleu",
-        "tokenized_bleu",
-        "chrf",
-    ]
-    rows = ["| " + " | ".join(h.split(".")[-1] for h in head) + " |", "|" + " --- |" * len(head)]
-    rows += ["| " + " | ".join(str(e.get(h, "")) for h in head) + " |" for e in res["history"]]
-    replace_section(ROOT / "docs" / "multi30k.md", "experiments", "\n".join(rows))
+    res["history"] = [h for h in res.get("history", []) if h["date"] != entry["date"]] + [entry]
+    head = ["date", "cpu", *(f"{a}.{b}" for a, b in RECIPE_KEYS), *RESULT_KEYS]
+    rows = [[e.get(h, "") for h in head] for e in res["history"]]
+    write_section(history, "experiments", md_table([h.split(".")[-1] for h in head], rows))
 
 
-def tokenization_agreement() -> dict:
+def tokenization_agreement() -> dict | None:
     """How many raw reference lines our tokenization (metrics.moses_tokenized) turns into the
-    official file's line."""
+    official tokenized file's line; None without the official files."""
     from transformer_mt.data import read_lines
     from transformer_mt.metrics import moses_tokenized
 
     out = {}
     for split in ("val", "test_2016_flickr"):
+        official = MULTI30K / "tok" / f"{split}.lc.norm.tok.de.gz"
+        if not official.exists():
+            return None
         ours = moses_tokenized(read_lines(MULTI30K / f"{split}.de.gz"), "de")
-        official = read_lines(MULTI30K / "tok" / f"{split}.lc.norm.tok.de.gz")
-        out[split] = {"lines": len(official), "same": sum(a == b for a, b in zip(ours, official))}
+        lines = read_lines(official)
+        out[split] = {"lines": len(lines), "same": sum(a == b for a, b in zip(ours, lines))}
     return out
 
 
-def main() -> int:
+# --------------------------------------------------------------------------- report
+
+
+def both_bleus(r: dict) -> str:
+    """ "sacreBLEU / tokenized BLEU", or sacreBLEU alone when the evaluation gave no tokenized
+    BLEU."""
+    return f"{r['bleu']:.2f}" + (f" / {r['tokenized_bleu']:.2f}" if "tokenized_bleu" in r else "")
+
+
+def report(res: dict) -> list[str]:
+    """The `quality` section's blocks, from the JSON alone."""
+    blocks = ["## Quality (Multi30k En→De, test_2016_flickr, 1,000 sentences)"]
+    if "recipe" in res:
+        blocks += recipe_blocks(res)
+    if a := res.get("tokenization_agreement"):
+        same = "; ".join(
+            f"{s} {v['same']:,} of {v['lines']:,} lines identical" for s, v in a.items()
+        )
+        blocks.append(
+            "Our tokenization of the raw German references against the official "
+            f"`tok/*.lc.norm.tok.de` files: {same}."
+        )
+    if "budget" in res:
+        blocks += budget_blocks(res["budget"])
+    if "precision" in res and res.get("recipe", {}).get("trained_precision") == "bf16":
+        p = res["precision"]
+        blocks += [
+            "### bf16 against fp32 at equal steps (validation BLEU, greedy, whole dev set)",
+            f"The recipe run (bf16) and the same recipe in fp32 for {p['steps']} steps (same seed "
+            "and batches).",
+            md_table(
+                ["step", "bf16", "fp32", "bf16 − fp32"],
+                [(f"{r['step']:,}", r["bf16"], r["fp32"], f"{r['diff']:+.2f}") for r in p["rows"]],
+                "rrrr",
+            ),
+        ]
+    return blocks
+
+
+def recipe_blocks(res: dict) -> list[str]:
+    r = res["recipe"]
+    row = (f"{r['bleu']:.2f}", f"{r['chrf']:.2f}", f"{r['ter']:.2f}", r["train_minutes"])
+    row += (f"{r['steps']:,}", r["epochs"], f"{r['tgt_tok_per_s']:,}", r["sentences_per_second"])
+    head = ["BLEU", "chrF", "TER", "training minutes", "steps", "epochs", "target tok/s"]
+    blocks = [
+        f"`tmt train {res['recipe_config']}` from a clean run directory on {res['date']} on "
+        f"**{res.get('cpu', 'an unrecorded CPU')}** ({res.get('cores', 2)} cores), trained in "
+        f"{r.get('trained_precision', '?')}, then `tmt evaluate` with beam {r['beam']} on the "
+        f"checkpoint the recipe selected ({r['evaluated']}).",
+        md_table([*head, "decode sent/s"], [row], "rrrrrrrr"),
+        f"BLEU signature: `{r['bleu_signature']}`; chrF: `{r['chrf_signature']}`; TER: "
+        f"`{r['ter_signature']}`.",
+    ]
+    if "tokenized_bleu" in r:
+        blocks.append(
+            f"Beside it, the literature's measure: **tokenized BLEU {r['tokenized_bleu']:.2f}** "
+            f"(sacreBLEU {r['bleu']:.2f}), {r['tokenized_bleu_description']}."
+        )
+    if by := r.get("test_bleu_by_minute"):
+        marks = "; ".join(f"{m} min (step {v['step']:,}): {both_bleus(v)}" for m, v in by.items())
+        blocks.append(
+            "Test BLEU on the way (the newest step checkpoint as each mark passed, minutes from "
+            f"launch with set-up, not averaged; beam {r['beam']}), as sacreBLEU / tokenized BLEU: "
+            f"{marks}; the end ({r['evaluated']}, step {r['step']:,}): {both_bleus(r)}."
+        )
+    if by := r.get("valid_bleu_by_minute"):
+        blocks.append(
+            "Validation BLEU (greedy, whole dev set) of the last validation by each mark: "
+            + "; ".join(f"{m} min: {b}" for m, b in by.items())
+            + "."
+        )
+    return blocks
+
+
+def budget_blocks(b: dict) -> list[str]:
+    if "rows" not in b:
+        return [
+            "The earlier equal-budget race trained the two toolkits with different "
+            "regularisation, precision and checkpoint selection; it is not shown. `python -m "
+            "scripts.bench_quality --budget 20` runs it like for like."
+        ]
+    m = f"{b['minutes']:g}"
+    blocks = [
+        f"### Equal budget: {m} minutes of training, the same model and regularisation",
+        "Both toolkits train the peers' model and schedule (3+3 layers, d 256, FFN 1024, "
+        "pre-norm, tied embeddings, dropout 0.1 on residuals, attention and activations, 200 "
+        f"warm-up updates to a 1e-3 peak, seed 42) for {m} minutes from launch, set-up included, "
+        f"one after the other on the same machine: ours with `{' '.join(BUDGET_SETTINGS)} "
+        f"train.max_minutes={m}`, fairseq with `../shared/peers/budget.sh fairseq {m}`. Each is "
+        "judged on its last checkpoint and on the one its own selection keeps (ours: best "
+        "validation BLEU; fairseq: best validation loss). Beam 4, length penalty 1.0 by each "
+        "toolkit's formula (ours GNMT ((5 + |Y|) / 6)^α, fairseq |Y|^α).",
+        md_table(
+            ["toolkit", "checkpoint", "precision", "updates", "BLEU", "decode sent/s", "signature"],
+            [
+                (v["toolkit"], v["checkpoint"], v["precision"], v.get("steps", "?"), v["bleu"])
+                + (v["decode_sent_per_s"], f"`{v['signature']}`")
+                for v in b["rows"]
+            ],
+            "lllrrrl",
+        ),
+    ]
+    by = {(v["toolkit"], v["selection"]): v for v in b["rows"]}
+    for sel in ("last", "own best"):
+        ours, fs = by.get(("transformer-mt", sel)), by.get(("fairseq", sel))
+        if ours and fs:
+            updates = (
+                f", after {ours['steps'] / fs['steps']:.2f}× its updates in the same minutes"
+                if all(isinstance(v.get("steps"), int) for v in (ours, fs))
+                else ""
+            )
+            blocks.append(
+                f"{sel.capitalize()} checkpoints: ours {ours['bleu'] - fs['bleu']:+.2f} BLEU "
+                f"against fairseq{updates}; decoding "
+                f"{ours['decode_sent_per_s'] / fs['decode_sent_per_s']:.2f}× as fast."
+            )
+    return blocks
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m scripts.bench_quality",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--recipe", default="configs/multi30k_en_de_local.yaml")
     ap.add_argument("--skip-recipe", action="store_true")
     ap.add_argument(
         "--evaluate-only", action="store_true", help="score the recipe's existing run, do not train"
     )
-    ap.add_argument(
-        "--budget", type=float, default=0, help="also compare with fairseq at this many minutes"
-    )
+    ap.add_argument("--budget", type=float, default=0, help="also race fairseq for this many min")
     ap.add_argument(
         "--fp32-steps",
         type=int,
@@ -548,42 +482,50 @@ def main() -> int:
         help="also train the recipe in fp32 for N steps and compare its validation BLEU with the "
         "recipe run's (bf16) at the same steps",
     )
-    ap.add_argument("--json", default=str(ROOT / "bench_quality.json"))
-    ap.add_argument(
-        "--report-only", action="store_true", help="rewrite BENCHMARKS.md from an existing --json"
-    )
-    args = ap.parse_args()
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="every run")
+    ap.add_argument("--test", type=Path, default=TEST_PREFIX, help="test set: PREFIX.en, PREFIX.de")
+    ap.add_argument("--runs", type=Path, default=ROOT / "runs", help="the budget and fp32 runs")
+    ap.add_argument("--history", type=Path, default=ROOT / "docs" / "multi30k.md")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench_quality.json")
+    ap.add_argument("--out", type=Path, default=BENCHMARKS)
+    ap.add_argument("--report-only", action="store_true", help="rewrite --out from --json")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.report_only:
-        replace_section(
-            ROOT / "BENCHMARKS.md", "quality", report(json.loads(Path(args.json).read_text()))
-        )
+        write_section(args.out, "quality", *report(read_json(args.json)))
         return 0
-    if not (MULTI30K / "train.en.gz").exists():
-        log(f"skipped: {MULTI30K} is not here")
+    try:
+        src_ref_files(args.test)
+    except DataError:
+        log(f"skipped: the test set {args.test} is not here (it ships in ../shared)")
         return 0
-    path = Path(args.json)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res["date"] = time.strftime("%Y-%m-%d %H:%M")
-    res["cpu"] = cpu_model()
-    res["tokenization_agreement"] = tokenization_agreement()
+    res = read_json(args.json) if args.json.exists() else {}
+    res.update(date=now(), cpu=cpu_model(), cores=os.cpu_count())
+    if (agreement := tokenization_agreement()) is not None:
+        res["tokenization_agreement"] = agreement
+    recipe_dir = ROOT / yaml.safe_load((ROOT / args.recipe).read_text())["output_dir"]
     if not args.skip_recipe:
         res["recipe_config"] = args.recipe
-        # the user's own command
-        run_dir = yaml.safe_load((ROOT / args.recipe).read_text())["output_dir"]
-        res["recipe"] = train_and_evaluate(
-            args.recipe, Path(run_dir), [], train=not args.evaluate_only
-        )
-        record_experiment(res, args.recipe, Path(run_dir), res["recipe"])
+        train = not args.evaluate_only
+        res["recipe"] = train_and_evaluate(args.recipe, recipe_dir, args.set, args.test, train)
+        record_experiment(res, args.recipe, recipe_dir, args.history)
         log(f"recipe: BLEU {res['recipe']['bleu']} in {res['recipe']['train_minutes']} min")
     if args.budget:
-        res["budget"] = {"minutes": args.budget, "rows": budget_race(args.recipe, args.budget)}
+        run_dir = args.runs / f"budget_{args.budget:g}min"
+        rows = budget_race(args.recipe, args.budget, run_dir, args.set, args.test)
+        res["budget"] = {"minutes": args.budget, "rows": rows}
     if args.fp32_steps:
         res.pop("precision", None)
-        if (check := precision_check(args.recipe, args.fp32_steps)) is not None:
+        run_dir = args.runs / "precision_fp32"
+        check = precision_check(args.recipe, recipe_dir, args.fp32_steps, run_dir, args.set)
+        if check is not None:
             res["precision"] = check
-    path.write_text(json.dumps(res, indent=2), encoding="utf-8")
-    replace_section(ROOT / "BENCHMARKS.md", "quality", report(res))
-    log("wrote BENCHMARKS.md and " + str(path))
+    write_json(args.json, res)
+    write_section(args.out, "quality", *report(res))
+    log(f"wrote {args.out} and {args.json}")
     return 0
 
 

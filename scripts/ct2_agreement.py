@@ -9,24 +9,30 @@ P from the same weights), so a differing line says which engine found the better
 search difference) or whether the two tie within float error (a rounding difference).
 Writes bench_ct2_agreement.json and its BENCHMARKS.md section. Times nothing: any machine will do.
 
-usage: python scripts/ct2_agreement.py [--checkpoint runs/multi30k_en_de] [--src FILE] [--threads 2]
-[--limit N]
+usage: python -m scripts.ct2_agreement [--checkpoint runs/multi30k_en_de] [--src FILE]
+       [--threads 2] [--limit N]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchlib import cpu_model, replace_section
+from scripts.benchlib import (
+    BENCHMARKS,
+    ROOT,
+    TEST_PREFIX,
+    cpu_model,
+    md_table,
+    now,
+    read_json,
+    write_json,
+    write_section,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-TEST = ROOT.parent / "shared" / "data" / "multi30k" / "test_2016_flickr.en.gz"
 # score differences below this are float rounding between the engines, not a search difference
 TIE = 1e-4
 
@@ -143,7 +149,7 @@ def run(
         "beam": beam,
         "alpha": alpha,
         "threads": threads,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "date": now(),
         "cpu": cpu_model(),
         "settings": [],
     }
@@ -167,56 +173,43 @@ def run(
     return res
 
 
-def report(res: dict) -> str:
-    """The BENCHMARKS.md section, from the JSON alone."""
-    lines = [
-        "## CTranslate2 against our engine, output for output",
-        "",
-        (
-            f"Written by `python scripts/ct2_agreement.py` on {res['date']} ({res['cpu']}): "
-            f"`{res['checkpoint']}` (step {res.get('step')}) decoded by both engines at fp32, beam "
-            f"{res['beam']}, "
-            f"α {res['alpha']:g}, on "
-            f"`{Path(res['source']).name}` and on long inputs (its sentences joined in pairs); "
-            "identical means "
-            "piece for piece. Each engine scores its own output as our search ranks (log P / GNMT "
-            "penalty): a "
-            f"tie (within {TIE:g}) is float rounding between the engines; otherwise the engine "
-            "with the better "
-            "score found a translation the other's search did not keep. How the CTranslate2 engine "
-            "follows "
-            "our search (per-sentence budgets, our last step at the budget, no renormalisation "
-            "over PAD and "
-            "BOS) and what can still differ: `transformer_mt/ct2.py`."
-        ),
-        "",
-        "| setting | sentences | identical | share | ties | ours better | CTranslate2 better |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+def report(res: dict) -> list[str]:
+    """The BENCHMARKS.md section's blocks, from the JSON alone."""
+    rows = [
+        (s["name"], f"{s['sentences']:,}", f"{s['identical']:,}", f"{s['share']:.2%}")
+        + tuple(s["differing"][k] for k in ("tie", "ours better", "ctranslate2 better"))
+        for s in res["settings"]
     ]
-    for s in res["settings"]:
-        d = s["differing"]
-        lines.append(
-            f"| {s['name']} | {s['sentences']:,} | {s['identical']:,} | {s['share']:.2%} | "
-            f"{d['tie']} | "
-            f"{d['ours better']} | {d['ctranslate2 better']} |"
-        )
+    head = ["setting", "sentences", "identical", "share", "ties", "ours better"]
     examples = [(s["name"], e) for s in res["settings"] for e in s["examples"][:2]]
-    if not examples:
-        lines += ["", "No line differs in any setting."]
-    else:
-        lines += ["", "Differing examples (log P / lp by each engine):", ""]
-        for name, e in examples:
-            lines += [
-                f"- *{name}*, {e['kind']}: `{e['source']}`",
-                f"  - ours ({e['ours_score']}): `{e['ours']}`",
-                f"  - CTranslate2 ({e['ctranslate2_score']}): `{e['ctranslate2']}`",
-            ]
-    return "\n".join(lines) + "\n"
+    shown = [
+        f"- *{name}*, {e['kind']}: `{e['source']}`\n"
+        f"  - ours ({e['ours_score']}): `{e['ours']}`\n"
+        f"  - CTranslate2 ({e['ctranslate2_score']}): `{e['ctranslate2']}`"
+        for name, e in examples
+    ]
+    return [
+        "## CTranslate2 against our engine, output for output",
+        f"Written by `python -m scripts.ct2_agreement` on {res['date']} ({res['cpu']}): "
+        f"`{res['checkpoint']}` (step {res.get('step')}) decoded by both engines at fp32, beam "
+        f"{res['beam']}, α {res['alpha']:g}, on `{Path(res['source']).name}` and on long inputs "
+        "(its sentences joined in pairs); identical means piece for piece. Each engine scores its "
+        "own output as our search ranks (log P / GNMT penalty): a tie (within "
+        f"{TIE:g}) is float rounding between the engines; otherwise the engine with the better "
+        "score found a translation the other's search did not keep. How the CTranslate2 engine "
+        "follows our search and what can still differ: `transformer_mt/ct2.py`.",
+        md_table([*head, "CTranslate2 better"], rows, "lrrrrrr"),
+        "Differing examples (log P / lp by each engine):\n\n" + "\n".join(shown)
+        if shown
+        else "No line differs in any setting.",
+    ]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m scripts.ct2_agreement",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--checkpoint",
@@ -225,7 +218,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--src",
-        default=str(TEST),
+        default=f"{TEST_PREFIX}.en.gz",
         help="source sentences, one a line (.gz read as gzip)",
     )
     ap.add_argument("--limit", type=int, help="only the first N sources (a smoke run)")
@@ -233,15 +226,11 @@ def main() -> int:
     ap.add_argument("--beam", type=int, help="beam size (default: the run's)")
     ap.add_argument("--alpha", type=float, help="GNMT length penalty (default: the run's)")
     ap.add_argument("--json", default=str(ROOT / "bench_ct2_agreement.json"))
-    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-    ap.add_argument(
-        "--report-only",
-        action="store_true",
-        help="rewrite the BENCHMARKS.md section from --json",
-    )
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(BENCHMARKS))
+    ap.add_argument("--report-only", action="store_true", help="rewrite --out from --json")
+    args = ap.parse_args(argv)
     if args.report_only:
-        res = json.loads(Path(args.json).read_text(encoding="utf-8"))
+        res = read_json(args.json)
     else:
         res = run(
             Path(args.checkpoint),
@@ -252,10 +241,8 @@ def main() -> int:
             alpha=args.alpha,
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )
-        Path(args.json).write_text(
-            json.dumps(res, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
-    replace_section(Path(args.out), "ct2-agreement", report(res))
+        write_json(args.json, res)
+    write_section(args.out, "ct2-agreement", *report(res))
     return 0
 
 

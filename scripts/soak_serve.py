@@ -14,8 +14,8 @@ requests <= 2 s.
 The model is the Multi30k recipe's (runs/multi30k_en_de) unless --checkpoint names another;
 sentences are the Multi30k test set's when ../shared/data has it, else the run's own test split.
 
-usage: python scripts/soak_serve.py [--checkpoint RUN] [--minutes 5] [--json bench_soak.json] [--out
-BENCHMARKS.md]
+usage: python -m scripts.soak_serve [--checkpoint RUN] [--minutes 5] [--json bench_soak.json]
+       [--out BENCHMARKS.md] [--max-work N --batch-work N --max-lines N]
 """
 
 from __future__ import annotations
@@ -39,17 +39,27 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from benchlib import cpu_model, replace_section, reported_flags
-
+from scripts.benchlib import (
+    BENCHMARKS,
+    ROOT,
+    TEST_PREFIX,
+    TMT,
+    cpu_model,
+    md_table,
+    now,
+    read_json,
+    reported_flags,
+    run_test_source,
+    write_json,
+    write_section,
+)
 from transformer_mt.checkpoint import resolve_checkpoint, run_dir_of
-from transformer_mt.config import load_config
 from transformer_mt.data import read_lines
 from transformer_mt.errors import UserError
 from transformer_mt.serve import call_work, translate_work
 from transformer_mt.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-MULTI30K = ROOT.parent / "shared" / "data" / "multi30k" / "test_2016_flickr.en.gz"
+MULTI30K = Path(f"{TEST_PREFIX}.en.gz")
 TARGETS = {"p95_s": 2.0, "rss_growth": 0.10}
 MAX_REQUESTS = 20_000  # per client: the soak is bounded in count as well as in time
 
@@ -75,25 +85,15 @@ class Tally:
 class Server:
     """`tmt serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, checkpoint: Path):
+    def __init__(self, checkpoint: Path, options: list[str] = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"soak_serve_{self.port}.log", "w")
+        cmd = [*TMT, "serve", "-c", str(checkpoint), "--host", "127.0.0.1"]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "transformer_mt",
-                "serve",
-                "-c",
-                str(checkpoint),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-            ],
+            [*cmd, "--port", str(self.port), *options],
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -180,10 +180,9 @@ def raw_request(
 
 
 def sentences(run: Path) -> list[str]:
-    if MULTI30K.is_file():
-        return [s for s in read_lines(MULTI30K) if s.strip()]
-    cfg = load_config(run / "config.yaml")
-    return [s for s in read_lines(Path(f"{cfg.data.test}.{cfg.data.src_lang}")) if s.strip()]
+    """The Multi30k test set's sources when ../shared has them, else the run's own test split's."""
+    lines = read_lines(MULTI30K if MULTI30K.is_file() else run_test_source(run))
+    return [s for s in lines if s.strip()]
 
 
 def most_expensive(
@@ -286,7 +285,8 @@ class Soak:
         )
 
     def long(self, rng: random.Random) -> None:
-        n = rng.randint(16, self.info["limits"]["max_lines"])
+        most = self.info["limits"]["max_lines"]
+        n = rng.randint(min(16, most), most)  # 16 lines or more, where the server takes them
         self.tally.add(
             "long",
             post(
@@ -317,12 +317,10 @@ class Soak:
             self.info["limits"],
             {**self.expensive[0], "beam": 2 * self.expensive[0]["beam"]},
         )
-        if (
-            rng.random() < 0.1
-        ):  # a body over max_body: its length is refused before it is sent (a sender that
-            big = (
-                b"{" + b" " * self.info["limits"]["max_body"] + b"}"
-            )  # went on would meet a closed socket)
+        if rng.random() < 0.1:
+            # a body over max_body: its length is refused before it is sent (a sender that went
+            # on would meet a closed socket)
+            big = b"{" + b" " * self.info["limits"]["max_body"] + b"}"
             self.tally.add(
                 "malformed",
                 raw_request(self.server.port, big, send=0, timeout=self.timeout),
@@ -438,43 +436,49 @@ def verdict(result: dict) -> dict[str, bool]:
     }
 
 
-def main() -> int:
+# tmt serve's limits this soak may set (default: the server's own)
+LIMITS = {"max_work": int, "batch_work": int, "max_lines": int, "deadline": float}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m scripts.soak_serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--checkpoint",
         default=str(ROOT / "runs" / "multi30k_en_de"),
         help="run directory or checkpoint (default: runs/multi30k_en_de, the recipe model)",
     )
-    parser.add_argument(
-        "--minutes",
-        type=float,
-        default=5.0,
-        help="length of the mixed traffic (default: 5)",
-    )
+    parser.add_argument("--minutes", type=float, default=5.0, help="mixed traffic (default: 5)")
+    for limit, kind in LIMITS.items():
+        parser.add_argument(f"--{limit.replace('_', '-')}", type=kind, help="tmt serve's")
     parser.add_argument("--json", default=str(ROOT / "bench_soak.json"))
-    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(BENCHMARKS))
+    parser.add_argument("--report-only", action="store_true", help="rewrite --out from --json")
+    args = parser.parse_args(argv)
+    if args.report_only:
+        write_report(read_json(args.json), Path(args.out))
+        return 0
     try:
         checkpoint = resolve_checkpoint(args.checkpoint)
     except UserError as e:
-        sys.exit(
-            f"soak_serve: {e} (the recipe model comes from `make bench-quality`; or pass "
-            "--checkpoint)"
-        )
+        sys.exit(f"soak_serve: {e} (the recipe model comes from `make bench-quality`)")
     run = run_dir_of(checkpoint)
-    pool = sentences(run)
-    server = Server(checkpoint)
+    given = {k: getattr(args, k) for k in LIMITS if getattr(args, k) is not None}
+    options = [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    server = Server(checkpoint, options)
     try:
-        result = soak(server, run, pool, args.minutes)
+        result = soak(server, run, sentences(run), args.minutes)
     finally:
         if server.proc.poll() is None:
             server.stop()
     result["model"] = str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else run.name
+    result["default_limits"] = not given
     result["targets_met"] = verdict(result)
-    Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
-    write_section(result, Path(args.out))
+    write_json(args.json, result)
+    write_report(result, Path(args.out))
     for target, met in result["targets_met"].items():
         print(f"[soak_serve] {target}: {'met' if met else 'NOT met'}")
     return 0  # the report says which targets were missed; `make bench` goes on to its next row
@@ -520,7 +524,7 @@ def soak(server: Server, run: Path, pool: list[str], minutes: float) -> dict:
     stats = server.health()[1] if not exited else {}
     one = state.tally.one_sentence
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "date": now(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cpu_flags": reported_flags(),
@@ -559,16 +563,17 @@ def soak(server: Server, run: Path, pool: list[str], minutes: float) -> dict:
     }
 
 
-def write_section(res: dict, path: Path) -> None:
-    rows = []
-    for client, by_status in res["responses"].items():
-        rows.append(
-            f"| {client} | {sum(by_status.values())} | "
-            + ", ".join(f"{s}: {n}" for s, n in sorted(by_status.items()))
-            + " |"
-        )
-    one, rss, worker = res["one_sentence"], res["rss_mb"], res["worker"]
-    ms = lambda s: "–" if s is None else f"{1000 * s:.0f}"  # noqa: E731
+def write_report(res: dict, path: Path) -> str:
+    """The `soak` section, from the JSON alone."""
+    rows = [
+        (client, sum(by.values()), ", ".join(f"{s}: {n}" for s, n in sorted(by.items())))
+        for client, by in res["responses"].items()
+    ]
+    one, rss, worker, limits = res["one_sentence"], res["rss_mb"], res["worker"], res["limits"]
+
+    def ms(s: float | None) -> str:
+        return "–" if s is None else f"{1000 * s:.0f}"
+
     shapes = "; ".join(
         f"{e['lines']} lines at beam {e['beam']}"
         + (f", {e['nbest']}-best with attention" if e.get("attention") else "")
@@ -578,26 +583,26 @@ def write_section(res: dict, path: Path) -> None:
     met = "; ".join(
         f"{t}: {'met' if ok else '**not met**'}" for t, ok in res["targets_met"].items()
     )
-    limits = res["limits"]
-    text = f"""## Serving under load (`tmt serve`, `scripts/soak_serve.py`)
-
-{res["date"]}, {res["cpu"]} ({", ".join(res["cpu_flags"]) or "no AVX2"}), {res["cores"]} cores; model `{res["model"]}`;
-{res["minutes"]:g} minutes of mixed traffic on the loopback after a warm-up, with the server's default limits
-({limits["max_work"]:,} steps a request, {limits["batch_work"]:,} a model call, {limits["max_lines"]} lines,
-{limits["deadline"]:g} s deadline). The most expensive client cycled through {shapes}.
-
-| client | requests | responses by status |
-| --- | ---: | --- |
-{chr(10).join(rows)}
-
-One-sentence requests: {one["requests"]} answered, p50 {ms(one["p50_s"])} ms, p95 {ms(one["p95_s"])} ms,
-max {ms(one["max_s"])} ms. Worker: {worker["deaths"]} health checks not OK of {sum(worker["health_polls"].values())},
-{worker["errors_survived"]} errors survived. Server memory (VmRSS): {rss["start"]} MB after the warm-up,
-{rss["end"]} MB at the end ({"–" if rss["growth"] is None else f"{100 * rss['growth']:+.1f}%"}).
-
-Targets: {met}.
-"""
-    replace_section(path, "soak", text)
+    growth = "–" if rss["growth"] is None else f"{100 * rss['growth']:+.1f}%"
+    which = "default " if res.get("default_limits", True) else ""
+    return write_section(
+        path,
+        "soak",
+        "## Serving under load (`tmt serve`, `scripts/soak_serve.py`)",
+        f"{res['date']}, {res['cpu']} ({', '.join(res['cpu_flags']) or 'no AVX2'}), "
+        f"{res['cores']} cores; model `{res['model']}`; {res['minutes']:g} minutes of mixed "
+        f"traffic on the loopback after a warm-up, with the server's {which}limits "
+        f"({limits['max_work']:,} steps a request, {limits['batch_work']:,} a model call, "
+        f"{limits['max_lines']} lines, {limits['deadline']:g} s deadline). The most expensive "
+        f"client cycled through {shapes}.",
+        md_table(["client", "requests", "responses by status"], rows, "lrl"),
+        f"One-sentence requests: {one['requests']} answered, p50 {ms(one['p50_s'])} ms, p95 "
+        f"{ms(one['p95_s'])} ms, max {ms(one['max_s'])} ms. Worker: {worker['deaths']} health "
+        f"checks not OK of {sum(worker['health_polls'].values())}, {worker['errors_survived']} "
+        f"errors survived. Server memory (VmRSS): {rss['start']} MB after the warm-up, "
+        f"{rss['end']} MB at the end ({growth}).",
+        f"Targets: {met}.",
+    )
 
 
 if __name__ == "__main__":

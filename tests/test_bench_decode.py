@@ -1,37 +1,27 @@
 """The decoding benchmarks' own logic (issue 22): each contender's peak RSS is its own, and the
-CTranslate2 agreement report counts and classifies what it is given."""
+CTranslate2 agreement report counts and classifies what it is given. Nothing here imports torch at
+the top: a fresh child process imports this module and measures its own memory."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import multiprocessing
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import bench_decode  # noqa: E402
-import ct2_agreement  # noqa: E402
+from scripts import ct2_agreement
+from scripts.benchlib import peak_rss_mb
 
 MB = 1 << 20
 
 
+def touch_and_measure(allocate_mb: int) -> float:
+    """Touch `allocate_mb` MiB, then report peak_rss_mb() (run in a fresh child process)."""
+    x = bytearray(allocate_mb * MB)
+    x[::4096] = b"1" * len(range(0, len(x), 4096))  # resident, not just reserved
+    return peak_rss_mb()
+
+
 def child_peak(allocate_mb: int) -> float:
-    """A fresh Python process that touches `allocate_mb` MiB, then reports
-    bench_decode.peak_rss_mb()."""
-    code = (
-        f"import bench_decode\nx = bytearray({allocate_mb * MB})\nx[::4096] = b'1' * len(range(0, "
-        "len(x), 4096))\n"
-        "print(bench_decode.peak_rss_mb())"
-    )
-    env = {**os.environ, "PYTHONPATH": str(SCRIPTS)}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+    """peak_rss_mb() of a fresh Python process (spawned: fork + exec, as a contender's) that
+    touched `allocate_mb` MiB."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(touch_and_measure, (allocate_mb,))
 
 
 def test_each_child_reports_its_own_peak_not_its_parents():
@@ -106,16 +96,16 @@ def test_the_report_is_written_from_the_json_alone():
         "alpha": 1.0,
         "settings": [setting],
     }
-    text = ct2_agreement.report(res)
+    text = "\n\n".join(ct2_agreement.report(res))
     assert "| test, --max-len 0 5 | 1,000 | 998 | 99.80% | 1 | 1 | 0 |" in text
     assert "`Ein Hund läuft`" in text and "beam 5, α 1" in text
-    assert bench_decode.peak_rss_mb() > 0
+    assert peak_rss_mb() > 0
 
 
 def test_the_decoding_table_hides_a_peak_that_is_not_the_contenders_own():
     """Issue 22, item 19: rows measured before each child reported its own VmHWM carry the bench's
     peak for all."""
-    import bench
+    from scripts import bench  # imports torch: not at the top (see the module's docstring)
 
     row = {
         "engine": "torch",
@@ -124,9 +114,9 @@ def test_the_decoding_table_hides_a_peak_that_is_not_the_contenders_own():
         "runs": [60.0],
         "peak_rss_mb": 10152,
     }
-    old = "\n".join(bench.decoding_table({"decoding": {"ours": row}}))
+    old = "\n".join(bench.decoding_blocks({"decoding": {"ours": row}}))
     new = "\n".join(
-        bench.decoding_table({"decoding": {"ours": {**row, "peak_rss_mb": 452, "rss_of": "self"}}})
+        bench.decoding_blocks({"decoding": {"ours": {**row, "peak_rss_mb": 452, "rss_of": "self"}}})
     )
     assert "10152" not in old and "–*" in old and "Peak RSS not shown" in old
     assert "| 452 |" in new and "Peak RSS not shown" not in new

@@ -1,24 +1,24 @@
 """The `make demo` benchmark's own logic (issue 22, item 21): it reads BLEU and the samples from
 what `make demo` prints, and a sample that drops a word is incomplete."""
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import bench_demo  # noqa: E402
+from scripts import bench_demo
+from scripts.benchlib import ROOT
 
 # What `make demo` prints at its end (evaluate's BLEU line, then translate's samples through paste
 # and sed), cut down; the second sample drops "das rote Auto", as the issue's AVX2 run did.
-OUTPUT = """tmt: precision auto: nothing timed; bf16 skipped (no native bf16: ...); training in fp32
-trained 640 steps in 2.5 min; best validation 97.10 at step 640; run directory runs/demo
-BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0 = 84.31 95.0/88.0/80.0/75.0 (BP = 0.970)
-The old man sees a small dog in the garden.
-  -> Der alte Mann sieht einen kleinen Hund im Garten.
-Today two young women buy the red car for their father.
-  -> Heute kaufen zwei junge Frauen für ihren Vater.
-"""
+OUTPUT = "\n".join(
+    [
+        "tmt: precision auto: nothing timed; bf16 skipped (no native bf16: ...); training in fp32",
+        "trained 640 steps in 2.5 min; best validation 97.10 at step 640; run directory runs/demo",
+        "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0 = 84.31 "
+        "95.0/88.0/80.0/75.0 (BP = 0.970)",
+        "The old man sees a small dog in the garden.",
+        "  -> Der alte Mann sieht einen kleinen Hund im Garten.",
+        "Today two young women buy the red car for their father.",
+        "  -> Heute kaufen zwei junge Frauen für ihren Vater.",
+        "",
+    ]
+)
 
 
 def test_the_output_of_make_demo_is_read():

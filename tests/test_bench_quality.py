@@ -1,13 +1,10 @@
 """The benchmark scripts' own logic: the checkpoints bench_quality.py keeps on the way, and
 sentences the reports compute from their figures."""
 
-import sys
+import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench  # noqa: E402
-import bench_quality  # noqa: E402
+from scripts import bench, bench_quality
 
 
 def write_step(run_dir: Path, step: int) -> None:
@@ -49,7 +46,7 @@ def test_the_watcher_thread_takes_a_mark_while_the_run_trains(tmp_path):
         for _ in range(500):
             if snaps.taken:
                 break
-            __import__("time").sleep(0.01)
+            time.sleep(0.01)
     assert (tmp_path / "checkpoints" / "at_0min.pt").read_text() == "weights of step 100"
 
 
@@ -76,8 +73,10 @@ def test_the_report_gives_test_bleu_at_each_mark_and_at_the_end():
             "40": {"step": 6600, "bleu": 37.0, "tokenized_bleu": 37.5},
         },
     }
-    text = bench_quality.report(
-        {"recipe": recipe, "recipe_config": "c.yaml", "date": "2026-11-23", "cpu": "X"}
+    text = "\n\n".join(
+        bench_quality.report(
+            {"recipe": recipe, "recipe_config": "c.yaml", "date": "2026-11-23", "cpu": "X"}
+        )
     )
     assert (
         "20 min (step 3,100): 30.50 / 31.25; 40 min (step 6,600): 37.00 / 37.50; "

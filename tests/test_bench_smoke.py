@@ -1,0 +1,261 @@
+"""Every benchmark entry point, end to end on a tiny model for a few steps: each runs its real code
+path (children, servers, subprocesses included) with options that make it small, writes its JSON
+and its section of a BENCHMARKS.md in a temporary folder, and the test reads both back. Nothing
+here needs ../shared: the corpus is the built-in demo grammar's, and the peers are skipped as the
+benches skip them without the kit (what the benches read from ../shared where it is there, such as
+Multi30k's sentences for the soak, they read here too)."""
+
+import json
+import shlex
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from scripts import (
+    bench,
+    bench_allocator,
+    bench_bigcorpus,
+    bench_decode,
+    bench_demo,
+    bench_quality,
+    bench_serve,
+    ct2_agreement,
+    soak_serve,
+    sweep,
+)
+from transformer_mt.config import load_config
+from transformer_mt.demo_corpus import write_corpus
+from transformer_mt.train import train
+
+pytestmark = pytest.mark.slow
+
+# The tiny model every bench trains or loads: sizes as --set overrides (the benches that take a
+# config of their own get these).
+TINY = [
+    "tokenizer.vocab_size=80",
+    "model.d_model=32",
+    "model.heads=2",
+    "model.encoder_layers=1",
+    "model.decoder_layers=1",
+    "model.d_ff=64",
+    "train.max_tokens=400",
+    "train.threads=1",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """Every process a bench starts computes on one thread: on a shared 2-core machine, two
+    spinning threads per process made decoding 16 times slower."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny demo corpus, a config for it, and a run trained 3 steps on it (once a session)."""
+    root = tmp_path_factory.mktemp("bench-smoke")
+    data = root / "data"
+    write_corpus(data, 400, 16, 16, seed=3)
+    config = root / "tiny.yaml"
+    config.write_text(
+        textwrap.dedent(f"""\
+        data: {{train: {data}/train, valid: {data}/valid, test: {data}/test, max_len: 64}}
+        tokenizer: {{vocab_size: 80}}
+        model: {{d_model: 32, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 64,
+                 max_positions: 256}}
+        train: {{max_steps: 3, max_tokens: 400, warmup: 2, valid_every: 3, threads: 1,
+                 valid_bleu: false, device: cpu, precision: fp32}}
+        decode: {{beam: 2}}
+        output_dir: {root / "run"}
+        """)
+    )
+    threads = torch.get_num_threads()
+    train(load_config(config))  # sets torch's threads to the config's 1, for the whole process
+    torch.set_num_threads(threads)
+    return SimpleNamespace(root=root, data=data, config=config, run=root / "run")
+
+
+def written(tmp_path: Path, name: str) -> tuple[dict, str]:
+    """The JSON a bench wrote and the BENCHMARKS.md it wrote its section into."""
+    out = tmp_path / "BENCHMARKS.md"
+    return json.loads((tmp_path / name).read_text()), out.read_text()
+
+
+def section(text: str, name: str) -> str:
+    """One section of a BENCHMARKS.md, between its markers (fails when it is not there)."""
+    start, end = f"<!-- {name}:start -->\n", f"\n<!-- {name}:end -->"
+    assert start in text and end in text, text[:2000]
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def outputs(tmp_path: Path, name: str) -> list[str]:
+    return ["--json", str(tmp_path / name), "--out", str(tmp_path / "BENCHMARKS.md")]
+
+
+def test_speed(tiny, tmp_path):
+    data = [f"data.{s}={tiny.data}/{s}" for s in ("train", "valid", "test")]
+    sets = [a for o in [*data, *TINY, f"output_dir={tmp_path / 'run'}"] for a in ("--set", o)]
+    small = ["--rounds", "1", "--steps", "10", "--warmup", "1", "--no-peers"]
+    small += [
+        "--matmul-seconds",
+        "0.01",
+        "--batch-sizes",
+        "200",
+        "400",
+        "--decode-lengths",
+        "2",
+        "4",
+    ]
+    assert bench.main([*small, *sets, *outputs(tmp_path, "bench.json")]) == 0
+    res, md = written(tmp_path, "bench.json")
+    contenders = ["ours_fp32", "ours_bf16", "ours_bf16-output", "reference_fp32"]
+    contenders += ["reference_bf16", "ours_bf16_without_fast_dropout"]
+    assert list(res["training"]) == contenders
+    assert all(len(v["windows"]) == 1 and v["tok_s"] > 0 for v in res["training"].values())
+    assert [r["max_tokens"] for r in res["batch_scaling"]] == [200, 400]
+    assert [r["length"] for r in res["decode_scaling"]] == [2, 4]
+    assert res["model"]["d_model"] == 32 and 0 <= res["padding"]["tgt"] < 1
+    text = section(md, "speed")
+    for heading in ("## Speed", "### Training throughput", "### Tokens/s against batch size"):
+        assert f"\n{heading}" in f"\n{text}"
+    assert all(f"| {name} |" in text for name in contenders)
+
+
+def test_decoding_engines(tiny, tmp_path):
+    names = ["transformer-mt fp32", "ctranslate2 int8"]
+    argv = ["--checkpoint", str(tiny.run / "checkpoints" / "best.pt")]
+    argv += ["--src", f"{tiny.data}/test.en", "--ref", f"{tiny.data}/test.de", "--rounds", "1"]
+    argv += ["--batch", "8", "--threads", "1", "--workdir", str(tmp_path / "ct2")]
+    argv += [a for n in names for a in ("--only", n)]
+    assert bench_decode.main([*argv, "--json", str(tmp_path / "decode.json")]) == 0
+    rows = json.loads((tmp_path / "decode.json").read_text())["decoding"]
+    assert list(rows) == names
+    assert [rows[n]["engine"] for n in names] == ["torch", "ctranslate2"]
+    for row in rows.values():
+        assert row["sent_s"] > 0 and row["runs"] == [row["sent_s"]] and row["rss_of"] == "self"
+        assert 0 <= row["bleu"] <= 100 and row["peak_rss_mb"] > 0
+
+
+def test_quality(tiny, tmp_path):
+    """The recipe (trained in bf16, so that the fp32 comparison runs), the budget race without
+    the peers, and the fp32 check, on the tiny config; the history goes to a file of its own."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        tiny.config.read_text()
+        .replace(f"output_dir: {tiny.run}", f"output_dir: {tmp_path / 'recipe'}")
+        .replace("valid_bleu: false", "valid_bleu: true")
+        .replace("precision: fp32", "precision: bf16")
+        .replace("max_steps: 3", "max_steps: 2")
+        .replace("valid_every: 3", "valid_every: 1")
+    )
+    sets = [a for o in [*TINY, "train.max_steps=2"] for a in ("--set", o)]
+    argv = ["--recipe", str(recipe), "--test", f"{tiny.data}/test", "--runs", str(tmp_path)]
+    argv += ["--budget", "1", "--fp32-steps", "2", "--history", str(tmp_path / "history.md")]
+    assert bench_quality.main([*argv, *sets, *outputs(tmp_path, "quality.json")]) == 0
+    res, md = written(tmp_path, "quality.json")
+    assert res["recipe"]["trained_precision"] == "bf16" and res["recipe"]["steps"] == 2
+    assert {"bleu", "chrf", "ter", "bleu_signature"} <= set(res["recipe"])
+    assert [(r["toolkit"], r["selection"]) for r in res["budget"]["rows"]] == [
+        ("transformer-mt", "last"),
+        ("transformer-mt", "own best"),
+    ]
+    assert [r["step"] for r in res["precision"]["rows"]] == [1, 2]  # validated at both steps
+    text = section(md, "quality")
+    assert text.startswith("## Quality (Multi30k En→De, test_2016_flickr, 1,000 sentences)")
+    assert "### Equal budget: 1 minutes of training" in text
+    assert "### bf16 against fp32 at equal steps" in text
+    assert res["history"][-1]["config"] == str(recipe)
+    history = section((tmp_path / "history.md").read_text(), "experiments")
+    assert history.splitlines()[-1].startswith(f"| {res['date']} |")
+
+
+def test_big_corpus(tiny, tmp_path):
+    sets = [a for o in [*TINY, "train.max_steps=2", "train.precision=fp32"] for a in ("--set", o)]
+    argv = ["--pairs", "300", "--workdir", str(tmp_path / "big"), *sets]
+    assert bench_bigcorpus.main([*argv, *outputs(tmp_path, "big.json")]) == 0
+    res, md = written(tmp_path, "big.json")
+    assert res["pairs"] == 300 and res["train_steps"] == 2 and res["d_model"] == 32
+    assert res["prepare_peak_rss_mb"] > 0 and res["train_peak_rss_mb"] > 0
+    text = section(md, "bigcorpus")
+    assert text.startswith("## A corpus of 300 pairs")
+    assert "| training, first 2 steps (d 32, 400-token batches) |" in text
+
+
+def test_serving(tiny, tmp_path):
+    argv = ["--checkpoint", str(tiny.run), "--requests", "6", "--rounds", "1"]
+    argv += ["--clients", "1", "4"]
+    assert bench_serve.main([*argv, *outputs(tmp_path, "serve.json")]) == 0
+    res, md = written(tmp_path, "serve.json")
+    assert res["requests"] == 6 and list(res["levels"]) == ["1", "4"]
+    assert all(v["errors"] == 0 and v["requests_per_s"] > 0 for v in res["levels"].values())
+    assert section(md, "serving").startswith("## Serving (`tmt serve`, `scripts/bench_serve.py`)")
+
+
+def test_soak(tiny, tmp_path):
+    argv = ["--checkpoint", str(tiny.run), "--minutes", "0.05"]
+    argv += ["--max-work", "4096", "--batch-work", "1024", "--max-lines", "8"]
+    assert soak_serve.main([*argv, *outputs(tmp_path, "soak.json")]) == 0
+    res, md = written(tmp_path, "soak.json")
+    assert res["limits"]["max_lines"] == 8 and res["default_limits"] is False
+    assert res["worker"]["server_exited"] is False
+    # every malformed body is refused as such, never a 500
+    assert set(res["responses"]["malformed"]) <= {"400", "413"}
+    assert "one sentence" in res["responses"] and len(res["targets_met"]) == 4
+    text = section(md, "soak")
+    assert text.startswith("## Serving under load (`tmt serve`, `scripts/soak_serve.py`)")
+    assert "with the server's limits (4,096 steps a request, 1,024 a model call, 8 lines" in text
+
+
+def test_allocator(tiny, tmp_path):
+    argv = ["--config", str(tiny.config), "--run", str(tiny.run), "--steps", "3", "--rounds", "1"]
+    assert bench_allocator.main([*argv, *outputs(tmp_path, "alloc.json")]) == 0
+    res, md = written(tmp_path, "alloc.json")
+    assert [len(v) for v in res["runs"].values()] == [1, 1] and res["steps"] == 3
+    assert all(m["tok_s"] > 0 and 0 <= m["kernel_share"] <= 1 for m in res["median"].values())
+    assert section(md, "allocator").startswith("### malloc keeping freed memory (CPU training)")
+
+
+def test_demo_from_a_fresh_clone(tmp_path):
+    """The demo's own steps in a clone, cut to a tiny model: bench_demo reads BLEU, the samples
+    and the updates from what the commands print."""
+    py = shlex.quote(sys.executable)
+    tmt = f"{py} -m transformer_mt"
+    sets = " ".join(f"--set {o}" for o in [*TINY, "train.max_steps=2", "train.max_minutes=0"])
+    command = " && ".join(
+        [
+            f"{py} -m transformer_mt.demo_corpus data/demo --train 300 --valid 16 --test 16",
+            f"{tmt} train configs/demo.yaml {sets} --set train.precision=fp32",
+            f"{tmt} evaluate --checkpoint runs/demo --beam 1",
+            f"{tmt} translate --checkpoint runs/demo --beam 1 < configs/demo_samples.en"
+            " | paste -d '\\n' configs/demo_samples.en - | sed 'n;s/^/  -> /'",
+        ]
+    )
+    argv = ["--command", command, *outputs(tmp_path, "demo.json")]
+    assert bench_demo.main(argv) == 0
+    res, md = written(tmp_path, "demo.json")
+    assert res["exit_status"] == 0 and res["updates"] == 2
+    assert res["bleu"] is not None and res["signature"].startswith("BLEU|")
+    assert len(res["samples"]) == 5  # one translation per sample line, whatever it says
+    assert section(md, "demo").startswith("## `make demo` from a fresh clone")
+
+
+def test_ct2_agreement(tiny, tmp_path):
+    argv = ["--checkpoint", str(tiny.run), "--src", f"{tiny.data}/test.en", "--limit", "4"]
+    assert ct2_agreement.main([*argv, "--threads", "1", *outputs(tmp_path, "ct2.json")]) == 0
+    res, md = written(tmp_path, "ct2.json")
+    assert [s["sentences"] for s in res["settings"]] == [4, 2, 4, 2]
+    for s in res["settings"]:
+        assert s["identical"] + sum(s["differing"].values()) == s["sentences"]
+    assert section(md, "ct2-agreement").startswith("## CTranslate2 against our engine")
+
+
+def test_sweep(tiny, tmp_path):
+    argv = [str(tiny.config), "--out", str(tmp_path), "--threads", "1"]
+    assert sweep.main([*argv, "--set", "train.max_steps=2", "--variant", "tiny"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["tiny"]["steps"] == 2 and results["tiny"]["returncode"] == 0
+    assert "| tiny | (none) | 2 |" in (tmp_path / "results.md").read_text()
