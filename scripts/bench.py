@@ -510,8 +510,8 @@ def decoding_blocks(res: dict) -> list[str]:
         "peak (the figure then was the bench process's); the next `make bench` measures it."
         if stale
         else "",
-        "fairseq-generate did not run: no fairseq model of the same budget was there "
-        "(`make bench-quality` trains one)."
+        "fairseq-generate did not run: no fairseq model of the same budget was there (`make "
+        "bench-quality` trains one)."
         if fs is None
         else "",
         "\n".join(f"- {c}" for c in conclusions(d)),
@@ -596,7 +596,7 @@ def decoding_comparison(minutes: int, rounds: int) -> dict:
     out["decoding_cpu"] = cpu_model()
     if d is None:
         out["notes"] = [
-            f"decoding not compared: run `make bench-quality` first (it trains ours and fairseq "
+            "decoding not compared: run `make bench-quality` first (it trains ours and fairseq "
             f"for {minutes} minutes each)"
         ]
     return out

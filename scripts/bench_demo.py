@@ -120,9 +120,9 @@ def write_report(res: dict, path: Path) -> str:
         "demo-avx2" if res["avx2"] else "demo",
         "## `make demo` from a fresh clone (`scripts/bench_demo.py`)",
         f"{res['date']}, {res['cpu']} (flags: {', '.join(res['cpu_flags'])}; bf16 in hardware: "
-        f"{res['cpu_bf16']}), with {kernels}{venv}. `{command}` took "
-        f"**{res['seconds']:.0f} s** (exit status {res['exit_status']}); training made "
-        f"{res['updates']} updates in {res['train_minutes']} min. {res['precision_line'] or ''}",
+        f"{res['cpu_bf16']}), with {kernels}{venv}. `{command}` took **{res['seconds']:.0f} s** "
+        f"(exit status {res['exit_status']}); training made {res['updates']} updates in "
+        f"{res['train_minutes']} min. {res['precision_line'] or ''}",
         f"Test BLEU **{res['bleu']}** (`{res['signature']}`).",
         md_table(["sample translation", "reference", "complete", "exact"], rows),
         f"Targets: {met}.",

@@ -183,9 +183,8 @@ def report(res: dict) -> list[str]:
     head = ["setting", "sentences", "identical", "share", "ties", "ours better"]
     examples = [(s["name"], e) for s in res["settings"] for e in s["examples"][:2]]
     shown = [
-        f"- *{name}*, {e['kind']}: `{e['source']}`\n"
-        f"  - ours ({e['ours_score']}): `{e['ours']}`\n"
-        f"  - CTranslate2 ({e['ctranslate2_score']}): `{e['ctranslate2']}`"
+        f"- *{name}*, {e['kind']}: `{e['source']}`\n  - ours ({e['ours_score']}): `{e['ours']}`\n  "
+        f"- CTranslate2 ({e['ctranslate2_score']}): `{e['ctranslate2']}`"
         for name, e in examples
     ]
     return [
@@ -194,10 +193,10 @@ def report(res: dict) -> list[str]:
         f"`{res['checkpoint']}` (step {res.get('step')}) decoded by both engines at fp32, beam "
         f"{res['beam']}, α {res['alpha']:g}, on `{Path(res['source']).name}` and on long inputs "
         "(its sentences joined in pairs); identical means piece for piece. Each engine scores its "
-        "own output as our search ranks (log P / GNMT penalty): a tie (within "
-        f"{TIE:g}) is float rounding between the engines; otherwise the engine with the better "
-        "score found a translation the other's search did not keep. How the CTranslate2 engine "
-        "follows our search and what can still differ: `transformer_mt/ct2.py`.",
+        f"own output as our search ranks (log P / GNMT penalty): a tie (within {TIE:g}) is float "
+        "rounding between the engines; otherwise the engine with the better score found a "
+        "translation the other's search did not keep. How the CTranslate2 engine follows our "
+        "search and what can still differ: `transformer_mt/ct2.py`.",
         md_table([*head, "CTranslate2 better"], rows, "lrrrrrr"),
         "Differing examples (log P / lp by each engine):\n\n" + "\n".join(shown)
         if shown

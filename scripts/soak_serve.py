@@ -161,8 +161,8 @@ def raw_request(
     """POST /translate over a plain socket: the first `send` bytes of the body in `pieces` (a pause
     after each), then the status line's code if `read`, else nothing (the client leaves)."""
     head = (
-        f"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        "POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(head)
@@ -589,12 +589,11 @@ def write_report(res: dict, path: Path) -> str:
         path,
         "soak",
         "## Serving under load (`tmt serve`, `scripts/soak_serve.py`)",
-        f"{res['date']}, {res['cpu']} ({', '.join(res['cpu_flags']) or 'no AVX2'}), "
-        f"{res['cores']} cores; model `{res['model']}`; {res['minutes']:g} minutes of mixed "
-        f"traffic on the loopback after a warm-up, with the server's {which}limits "
-        f"({limits['max_work']:,} steps a request, {limits['batch_work']:,} a model call, "
-        f"{limits['max_lines']} lines, {limits['deadline']:g} s deadline). The most expensive "
-        f"client cycled through {shapes}.",
+        f"{res['date']}, {res['cpu']} ({', '.join(res['cpu_flags']) or 'no AVX2'}), {res['cores']} "
+        f"cores; model `{res['model']}`; {res['minutes']:g} minutes of mixed traffic on the "
+        f"loopback after a warm-up, with the server's {which}limits ({limits['max_work']:,} steps "
+        f"a request, {limits['batch_work']:,} a model call, {limits['max_lines']} lines, "
+        f"{limits['deadline']:g} s deadline). The most expensive client cycled through {shapes}.",
         md_table(["client", "requests", "responses by status"], rows, "lrl"),
         f"One-sentence requests: {one['requests']} answered, p50 {ms(one['p50_s'])} ms, p95 "
         f"{ms(one['p95_s'])} ms, max {ms(one['max_s'])} ms. Worker: {worker['deaths']} health "

@@ -79,8 +79,8 @@ def test_the_report_gives_test_bleu_at_each_mark_and_at_the_end():
         )
     )
     assert (
-        "20 min (step 3,100): 30.50 / 31.25; 40 min (step 6,600): 37.00 / 37.50; "
-        "the end (best.pt, step 10,000): 41.00 / 41.60."
+        "20 min (step 3,100): 30.50 / 31.25; 40 min (step 6,600): 37.00 / 37.50; the end "
+        "(best.pt, step 10,000): 41.00 / 41.60."
     ) in text
 
 

@@ -230,8 +230,8 @@ def test_demo_from_a_fresh_clone(tmp_path):
             f"{py} -m transformer_mt.demo_corpus data/demo --train 300 --valid 16 --test 16",
             f"{tmt} train configs/demo.yaml {sets} --set train.precision=fp32",
             f"{tmt} evaluate --checkpoint runs/demo --beam 1",
-            f"{tmt} translate --checkpoint runs/demo --beam 1 < configs/demo_samples.en"
-            " | paste -d '\\n' configs/demo_samples.en - | sed 'n;s/^/  -> /'",
+            f"{tmt} translate --checkpoint runs/demo --beam 1 < configs/demo_samples.en | paste -d "
+            "'\\n' configs/demo_samples.en - | sed 'n;s/^/  -> /'",
         ]
     )
     argv = ["--command", command, *outputs(tmp_path, "demo.json")]

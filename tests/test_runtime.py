@@ -240,8 +240,8 @@ def test_the_log_line_says_which_candidates_were_skipped_and_why(monkeypatch, ca
             == "fp32"
         )
     assert (
-        "188 ms in fp32, 432 ms in bf16-output on this CPU; bf16 skipped (its first step took 4534 "
-        "ms" in caplog.text
+        "188 ms in fp32, 432 ms in bf16-output on this CPU; bf16 skipped (its first step took "
+        "4534 ms" in caplog.text
     )
     caplog.clear()
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "fma"})

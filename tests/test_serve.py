@@ -447,9 +447,9 @@ def test_the_page_translates_in_headless_chromium_and_draws_the_heatmap(run_dir)
             assert page.find_elements(By.CSS_SELECTOR, "ol.alternatives li")
             assert page.find_element(By.ID, "heatmap-section").is_displayed()
             inked = page.execute_script(
-                "const c = document.getElementById('heatmap');"
-                "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-                "let n = 0; for (let i = 3; i < d.length; i += 4) n += d[i] > 0; return n;"
+                "const c = document.getElementById('heatmap');const d = "
+                "c.getContext('2d').getImageData(0, 0, c.width, c.height).data;let n = 0; for "
+                "(let i = 3; i < d.length; i += 4) n += d[i] > 0; return n;"
             )
             assert inked > 100  # the heatmap was drawn
             out = ROOT / "runs" / "browser"

@@ -46,8 +46,8 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
         atomic_write(path, lambda f: torch.save({**state, "version": __version__}, f))
     except OSError as e:
         raise CheckpointError(
-            f"cannot write checkpoint {path}: {e.strerror or e}; "
-            "the previous file at that path is intact"
+            f"cannot write checkpoint {path}: {e.strerror or e}; the previous file at that path is "
+            "intact"
         ) from None
 
 
@@ -68,8 +68,8 @@ def copy_checkpoint(src: Path, dst: Path) -> None:
             atomic_write(dst, lambda out: shutil.copyfileobj(f, out, 1 << 20))
     except OSError as e:
         raise CheckpointError(
-            f"cannot write checkpoint {dst}: {e.strerror or e}; "
-            "the previous file at that path is intact"
+            f"cannot write checkpoint {dst}: {e.strerror or e}; the previous file at that path is "
+            "intact"
         ) from None
 
 
@@ -79,8 +79,8 @@ def resume_path(run_dir: Path, resume: str | Path | bool | None) -> Path | None:
     if resume is None or resume is False:
         if last.exists():
             raise UserError(
-                f"{run_dir} already holds a run (checkpoints/last.pt): add --resume to "
-                "continue it, or set another output_dir (or delete the folder) to start over"
+                f"{run_dir} already holds a run (checkpoints/last.pt): add --resume to continue "
+                "it, or set another output_dir (or delete the folder) to start over"
             )
         return None
     path = last if resume is True else Path(resume)
@@ -123,8 +123,8 @@ def load_checkpoint(
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
-            f"{path} is not a loadable transformer-mt checkpoint "
-            f"(refused by torch.load(weights_only=True): {first[:200]})"
+            f"{path} is not a loadable transformer-mt checkpoint (refused by "
+            f"torch.load(weights_only=True): {first[:200]})"
         ) from None
     if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED_KEYS):
         raise CheckpointError(
@@ -146,8 +146,8 @@ def resolve_checkpoint(
         )
         if not runs:
             raise CheckpointError(
-                f"no trained run found under {Path(runs_dir).resolve()}: train one with "
-                "`tmt train CONFIG`, or pass --checkpoint RUN_DIR_OR_FILE"
+                f"no trained run found under {Path(runs_dir).resolve()}: train one with `tmt train "
+                "CONFIG`, or pass --checkpoint RUN_DIR_OR_FILE"
             )
         newest = max(runs, key=lambda p: p.stat().st_mtime).parent.parent
         found = resolve_checkpoint(newest)
@@ -191,8 +191,8 @@ def load_for_inference(
         tokenizer = Tokenizer(ckpt["spm"]["src"], ckpt["spm"].get("tgt"))
     else:
         raise CheckpointError(
-            f"no SentencePiece model beside {path} (spm.model in {run_dir}), and the "
-            "checkpoint carries none: copy the run's spm*.model files next to it"
+            f"no SentencePiece model beside {path} (spm.model in {run_dir}), and the checkpoint "
+            "carries none: copy the run's spm*.model files next to it"
         )
     check_tokenizer(ckpt, tokenizer, path, run_dir)
     model = Transformer(
@@ -216,8 +216,8 @@ def check_tokenizer(
     if saved != tokenizer.digest and (resuming or saved is not None):
         raise CheckpointError(
             f"{'cannot resume from ' if resuming else ''}{path}: it was trained with tokenizer "
-            f"{saved}, but the SentencePiece model in {run_dir} is {tokenizer.digest}: they do "
-            "not belong together"
+            f"{saved}, but the SentencePiece model in {run_dir} is {tokenizer.digest}: they do not "
+            "belong together"
         )
 
 
@@ -354,8 +354,8 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
         for k, v in ckpt["model"].items():
             if k in total and total[k].shape != v.shape:
                 raise CheckpointError(
-                    f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}: "
-                    "these checkpoints are not of one model"
+                    f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}: these "
+                    "checkpoints are not of one model"
                 )
             total[k] = total[k] + v.double() if k in total else v.double()
     model = {k: (v / len(paths)).to(ckpt["model"][k].dtype) for k, v in total.items()}
@@ -392,8 +392,8 @@ def average_run(
     n = last or best
     if len(paths) < 2 or n < 2:
         raise CheckpointError(
-            f"{Path(run_dir)}: need at least 2 step_N.pt checkpoints to average "
-            f"(found {len(paths)}; keep more with train.keep_last)"
+            f"{Path(run_dir)}: need at least 2 step_N.pt checkpoints to average (found "
+            f"{len(paths)}; keep more with train.keep_last)"
         )
     if last:
         chosen = paths[-n:]
@@ -402,8 +402,8 @@ def average_run(
         if len(scores) < 2:
             raise CheckpointError(
                 f"{Path(run_dir)}: --best needs at least 2 validated step checkpoints, found "
-                f"{len(scores)} of {len(paths)} (steps between validations are not scored): "
-                "use --last instead of --best"
+                f"{len(scores)} of {len(paths)} (steps between validations are not scored): use "
+                "--last instead of --best"
             )
         if len(scores) < n:
             log.warning(

@@ -152,8 +152,8 @@ def _iter_text_pairs(
                     n_src = n - 1 + (bs is not None) + sum(1 for _ in fs)
                     n_tgt = n - 1 + (bt is not None) + sum(1 for _ in ft)
                     raise DataError(
-                        f"{where}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
-                        "line N of one must translate line N of the other"
+                        f"{where}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; line N "
+                        "of one must translate line N of the other"
                     )
                 yield decode_src(bs, n), decode_tgt(bt, n)
         except (OSError, EOFError) as e:
@@ -201,8 +201,8 @@ def text_file(prefix: str, lang: str) -> Path:
         if candidate.is_file():
             return candidate
     raise DataError(
-        f"corpus file not found: {prefix}.{lang} (or {prefix}.{lang}.gz); "
-        f"check the data paths in the config (relative paths start at {os.getcwd()})"
+        f"corpus file not found: {prefix}.{lang} (or {prefix}.{lang}.gz); check the data paths in "
+        f"the config (relative paths start at {os.getcwd()})"
     )
 
 
@@ -251,8 +251,8 @@ def _field(row: dict, dotted: str, where: str, key: str) -> str:
         if not isinstance(value, dict) or part not in value:
             fields = ", ".join(row.keys())
             raise DataError(
-                f"{where}: records have no field {dotted!r} (fields: {fields}); "
-                f"set data.{key} (dots reach into nested fields, e.g. translation.en)"
+                f"{where}: records have no field {dotted!r} (fields: {fields}); set data.{key} "
+                "(dots reach into nested fields, e.g. translation.en)"
             )
         value = value[part]
     return "" if value is None else str(value)
@@ -283,11 +283,9 @@ def load_hub_dataset(name: str, config: str | None, split: str):
         if offline:
             raise DataError(
                 f"data.dataset: cannot load {name!r} from the Hugging Face hub: the hub is not "
-                "reachable "
-                "from this machine (offline) and the dataset is not in the local cache. Download "
-                "it once "
-                "on a machine with internet, or point the config at local files (data.format: "
-                "text)."
+                "reachable from this machine (offline) and the dataset is not in the local cache. "
+                "Download it once on a machine with internet, or point the config at local files "
+                "(data.format: text)."
             ) from None
         raise DataError(
             f"data.dataset: cannot load {name!r} (config {config!r}, split {split!r}): {e}"

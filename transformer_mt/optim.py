@@ -52,8 +52,8 @@ def plan_cooldown(
     (cooldown_end_in_time); `agree` makes every rank take the same end (the earliest)."""
     end = agree(cooldown_end_in_time(tc, step, minutes, steps_per_minute))
     log.info(
-        "cooldown: the learning rate decays linearly to ~0 from update %d to %d "
-        "(%.1f updates/min, %.1f of train.max_minutes=%g left)",
+        "cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f "
+        "updates/min, %.1f of train.max_minutes=%g left)",
         step,
         end,
         steps_per_minute,

@@ -132,9 +132,8 @@ def describe_run(
 ) -> None:
     """One log line on what is about to be trained, and how."""
     log.info(
-        "device %s, precision %s, %.2fM parameters, %d training pairs, %d batches/epoch of "
-        "<= %d tokens; effective batch <= %d tokens (max_tokens %d x accumulate %d x %d "
-        "process%s)",
+        "device %s, precision %s, %.2fM parameters, %d training pairs, %d batches/epoch of <= %d "
+        "tokens; effective batch <= %d tokens (max_tokens %d x accumulate %d x %d process%s)",
         device,
         precision,
         model.num_parameters() / 1e6,

@@ -195,8 +195,8 @@ class Trainer:
         if done is not None:
             stopped = done.text(self.cfg.train)
             log.info(
-                "nothing to train: %s when the resumed checkpoint was written; its checkpoints are "
-                "left as they are",
+                "nothing to train: %s when the resumed checkpoint was written; its checkpoints "
+                "are left as they are",
                 stopped,
             )
             return self.state.summary(stopped, self.minutes(), self.run_dir, self.dist.rank)
