@@ -72,7 +72,7 @@ def test_many_small_batches_give_what_one_batch_gives(translator, sentences):
     small = Translator(
         translator.engine, dataclasses.replace(translator.defaults, max_src_tokens=20)
     )
-    assert len(small._batches(small.tokenizer.encode_src(lines), 2, 20)) > 5
+    assert len(small._batches([len(x) for x in small.tokenizer.encode_src(lines)], 2, 20)) > 5
     many = small.translate(lines, beam=2)
     same = sum(a[0].text == b[0].text for a, b in zip(one, many))
     assert same >= 0.9 * len(lines)
@@ -136,3 +136,28 @@ def test_nbest_over_the_beam_is_refused_naming_both(translator):
 
     with pytest.raises(ConfigError, match="--nbest 3 is more than the beam \\(2\\)"):
         translator.translate(["alpha"], beam=2, nbest=3)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"alpha": -1.0}, "--alpha must be >= 0"),
+        ({"max_len": (1.0, 0)}, "--max-len A B needs A >= 0 and B >= 1"),
+        ({"max_len": (1.0, 2.5)}, "B must be a whole number"),
+        ({"beam": 0}, "--beam must be >= 1"),
+    ],
+)
+def test_out_of_range_options_are_refused_as_the_config_refuses_them(translator, options, message):
+    from transformer_mt.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        translator.translate(["alpha"], **options)
+
+
+def test_bad_translate_flags_fail_before_the_output_file_is_opened(tiny_run, tmp_path, capsys):
+    from transformer_mt.cli import main
+
+    out = tmp_path / "out.txt"
+    argv = ["translate", "-c", str(tiny_run.dir), "--max-len", "1", "0", "-o", str(out)]
+    assert main(argv) == 2
+    assert "--max-len A B needs" in capsys.readouterr().err and not out.exists()

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from transformer_mt.checkpoint import resolve_checkpoint
 from transformer_mt.cli import main
 from transformer_mt.search import Cancelled
 
@@ -206,11 +208,14 @@ def test_every_endpoint_answers_and_translate_matches_tmt_translate(run_dir, tra
         assert status == 200 and '<label for="source">' in page
         assert "http://" not in page and "https://" not in page  # no CDN: the page works offline
         status, info = get(url + "/info")
-        assert status == 200 and info["step"] == 300 and info["source_language"] == "en"
+        # the best validation (step 150 or 300) depends on the CPU's kernels: ask the file served
+        served = resolve_checkpoint(run_dir)
+        step = torch.load(served, map_location="cpu", weights_only=True)["step"]
+        assert status == 200 and info["step"] == step and info["source_language"] == "en"
         assert (
             info["parameters"] > 0 and info["decode"]["beam"] == 2 and info["tokenizer"]["digest"]
         )
-        assert info["checkpoint"] in ("run/best.pt", "run/last.pt") and info["run"] == "run"
+        assert info["checkpoint"] == f"run/{served.name}" and info["run"] == "run"
         # no directory of the server's in what clients see
         assert str(run_dir.parent) not in json.dumps(info)
         status, body, _ = post(

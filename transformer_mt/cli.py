@@ -552,6 +552,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
     sampling = args.sampling and dataclasses.replace(
         args.sampling, temperature=args.temperature, seed=args.seed
     )
+    # the options are checked before --output is opened (and truncated) or a line is typed
+    translator.defaults.replace(
+        beam=args.beam, nbest=args.nbest, alpha=args.alpha, max_len=args.max_len, sampling=sampling
+    )
     with _open_io(args.input, args.output) as (src, out):
         # a person typing: answer each line at once, not after 2,000 of them
         interactive = src.isatty()

@@ -58,15 +58,15 @@ class DecodeOptions:
         """These options with the given (not None) overrides, checked like the config's own."""
         changes: dict[str, Any] = {"sampling": sampling}
         if beam is not None:
-            if beam < 1:
-                raise ConfigError(f"--beam must be >= 1, got {beam}")
+            _check(beam >= 1, f"--beam must be >= 1, got {beam}")
             changes["beam"] = beam
         if alpha is not None:
+            _check(alpha >= 0, f"--alpha must be >= 0, got {alpha:g}")
             changes["alpha"] = alpha
         if max_len is not None:
             a, b = max_len
-            if b != int(b):
-                raise ConfigError(f"--max-len: B must be a whole number of tokens, got {b}")
+            _check(b == int(b), f"--max-len: B must be a whole number of tokens, got {b}")
+            _check(a >= 0 and b >= 1, f"--max-len A B needs A >= 0 and B >= 1, got {a:g} {b:g}")
             changes.update(max_len_a=float(a), max_len_b=int(b))
         out = dataclasses.replace(self, **changes, nbest=nbest or 1)
         if out.nbest > out.beam and sampling is None:
@@ -80,6 +80,11 @@ class DecodeOptions:
     def searches(self) -> bool:
         """Beam search ranks by log P / length penalty; greedy search and sampling by log P."""
         return self.beam > 1 and self.sampling is None
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
 
 class Engine:

@@ -144,7 +144,8 @@ class Translator:
         if options.sampling is not None and generator is None:  # one seed for the whole call
             generator = self.engine.seeded_generator(options.sampling)
         out = [[empty_hypothesis()] for _ in ids]
-        for batch in self._batches(ids, options.beam, options.max_src_tokens):
+        lengths = [len(x) for x in ids]
+        for batch in self._batches(lengths, options.beam, options.max_src_tokens):
             found = self.engine.search(
                 [ids[i] for i in batch],
                 options,
@@ -208,10 +209,12 @@ class Translator:
         self, src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]]
     ) -> list[list[float]]:
         """Per-token log-probabilities (EOS included) of each target given its (truncated) source,
-        in input order; batched like translate_ids at beam 1."""
+        in input order; batched like translate_ids at beam 1, a pair counting its longer side (the
+        decoder reads the whole target at once)."""
         out: list[list[float]] = [[] for _ in src_ids]
         src_ids = self._truncated(src_ids)
-        for batch in self._batches(src_ids, 1, self.defaults.max_src_tokens, keep_empty=True):
+        lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
+        for batch in self._batches(lengths, 1, self.defaults.max_src_tokens, keep_empty=True):
             found = self.engine.score(
                 [src_ids[i] for i in batch], [list(tgt_ids[i]) for i in batch]
             )
@@ -238,15 +241,13 @@ class Translator:
 
     @staticmethod
     def _batches(
-        ids: Sequence[Sequence[int]], width: int, max_src_tokens: int, keep_empty: bool = False
+        lengths: Sequence[int], width: int, max_src_tokens: int, keep_empty: bool = False
     ) -> list[np.ndarray]:
-        """Indices of the (non-empty) sources, sorted by length and cut so that each batch has at
-        most max_src_tokens = sentences x width x (longest source + 1)."""
-        order = sorted(
-            (i for i in range(len(ids)) if keep_empty or len(ids[i])), key=lambda i: len(ids[i])
-        )
-        order = np.array(order, dtype=np.int64)
-        widths = np.array([len(ids[i]) + 1 for i in order], dtype=np.int64)
+        """Indices of the (non-empty) items, sorted by length and cut so that each batch has at
+        most max_src_tokens = items x width x (longest + 1): decode.max_src_tokens's one unit."""
+        keep = (i for i in range(len(lengths)) if keep_empty or lengths[i])
+        order = np.array(sorted(keep, key=lambda i: lengths[i]), dtype=np.int64)
+        widths = np.array([lengths[i] + 1 for i in order], dtype=np.int64)
         return cut_batches(order, widths, max_src_tokens // width)
 
     def _translation(self, h: Hypothesis) -> Translation:
