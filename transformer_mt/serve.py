@@ -247,7 +247,7 @@ class Batcher:
             try:
                 if not self._step():
                     return
-            except Exception:  # noqa: BLE001  our own bug: fail what was in hand, keep serving the rest
+            except Exception:  # our own bug: fail what was in hand, keep serving the rest
                 log.exception(
                     "the model's worker hit an unexpected error; the requests of that batch get 500"
                 )
