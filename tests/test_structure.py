@@ -112,4 +112,19 @@ def test_nothing_but_cli_imports_cli_serve_export_or_plot():
     allowed = {"cli", "__main__"}
     for module in ("cli", "serve", "plot"):
         assert {m for m in MODULES if module in GRAPH[m]} <= allowed, module
-    assert {m for m in MODULES if "export" in GRAPH[m]} <= allowed | {"ct2"}
+    assert {m for m in MODULES if "export" in GRAPH[m]} <= allowed | {"ct2", "export_hf"}
+    assert {m for m in MODULES if "export_hf" in GRAPH[m]} <= allowed
+
+
+def test_no_test_module_imports_another():
+    """STYLE.md: shared things go to conftest.py (fixtures) or tests/helpers.py, so that a test
+    module can be read, run and changed alone."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert not found
