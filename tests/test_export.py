@@ -445,3 +445,27 @@ def test_the_engines_agree_where_the_length_budget_decides(tiny, tmp_path, monke
         assert [i for i in differ if i not in penalty] == [] and len(penalty) <= 0.1 * len(
             sources
         ), max_len
+
+
+def test_the_transformers_export_of_the_demo_model_translates_as_ours(demo):
+    """Issue 24: greedy `generate` of the exported MarianMTModel (transformers alone, no tmt) equals
+    `tmt translate --beam 1` on at least 99% of the demo test set."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from transformer_mt.export_hf import export_transformers
+
+    out = export_transformers(demo["run"], demo["root"] / "hf")
+    ours = load_translator(demo["run"], device="cpu", precision="fp32")
+    sources = demo["sources"]
+    want = ours.translate_text(sources, beam=1)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    got = []
+    with torch.inference_mode():
+        for i in range(0, len(sources), 100):
+            batch = tok(sources[i : i + 100], return_tensors="pt", padding=True)
+            got += tok.batch_decode(model.generate(**batch), skip_special_tokens=True)
+    same = sum(a == b for a, b in zip(got, want))
+    assert same >= 0.99 * len(sources), [(a, b) for a, b in zip(got, want) if a != b][:3]
+    assert _bleu(want, demo["references"]) > 30  # agreement on translations, not on noise

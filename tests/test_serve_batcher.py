@@ -660,3 +660,46 @@ def test_the_model_leaves_a_core_to_the_http_side(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # read by torch when it starts: then left as it is
     torch.set_num_threads(2)
     assert model_threads() == 2
+
+
+# --------------------------------------------------------------------------- prefixes (issue 24)
+
+
+def test_the_server_takes_one_prefix_per_line_prices_it_and_batches_it_with_other_requests():
+    pytest.importorskip("starlette")
+    from transformer_mt.serve import Batcher, create_app, parse_translate, translate_work
+
+    fake = Fake()
+    app = create_app(fake, limits())
+    status, body = run(call(app, "/translate", {"text": ["a b", "c"], "prefix": ["x"]}))
+    assert status == 400 and "prefix" in body["error"] and not fake.calls
+    text, parsed = parse_translate({"text": ["a b", "c"], "prefix": ["x\ny ", ""]}, limits(), fake)
+    assert parsed["prefix"] == ["x y", ""]  # one line each, as text is
+    text, parsed = parse_translate({"text": "a b", "prefix": "x"}, limits(), fake)
+    assert text == ["a b"] and parsed["prefix"] == ["x"]
+    assert "prefix" not in parse_translate({"text": ["a"], "prefix": [""]}, limits(), fake)[1]
+
+    options = {"beam": 2, "nbest": 1, "max_len": (1.0, 2), "attention": False, "alignment": False}
+    long = " ".join(["w"] * 20)
+    assert translate_work(fake, ["a", ""], {**options, "prefix": [long, long]})[1] == [21, 0]
+    assert translate_work(fake, ["a", ""], options)[1] == [4, 0]
+
+    # A request with prefixes and one without share a call, each line with its own prefix.
+    held = Fake(hold=True)
+
+    async def scenario() -> None:
+        batcher = Batcher(held, limits())
+        batcher.start()
+        first = await submit(batcher, ["one"], {"beam": 2})
+        assert held.entered.wait(30)
+        with_prefix = await submit(batcher, ["two", "three"], {"beam": 2, "prefix": ["P", ""]})
+        without = await submit(batcher, ["four"], {"beam": 2})
+        held.release.set()
+        for job in (first, with_prefix, without):
+            await job.future
+        batcher.stop()
+
+    run(scenario())
+    lines, options = held.calls[1]  # one call, in the scheduler's order
+    assert sorted(lines) == ["four", "three", "two"] and options["beam"] == 2
+    assert dict(zip(lines, options["prefix"])) == {"two": "P", "three": "", "four": ""}

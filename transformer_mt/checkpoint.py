@@ -3,8 +3,9 @@
 A checkpoint is a dict with `model` (state dict of the uncompiled module), `optimizer`,
 `scheduler`, `step`, `config` (the resolved config as plain data), `tokenizer` (hash of the
 SentencePiece models), `spm` (the models themselves, so a copied checkpoint still translates),
-`version`, `metrics` (validation of this very step; empty when it was not validated), `rng` and
-`train_state` (the loop's resumable state).
+`version`, `metrics` (validation of this very step; empty when it was not validated), `rng`,
+`train_state` (the loop's resumable state) and, in a fine-tuned run (`--init-from`), `parent` (the
+path, step and tokenizer digest of the checkpoint it started from).
 
 Everything about the format lives here: building the dict, saving and rotating, the checks a
 resume makes, loading for inference, and averaging.
@@ -183,6 +184,22 @@ def load_for_inference(
     """Model (eval mode, on `device`), its tokenizer and config, from a checkpoint file."""
     ckpt = load_checkpoint(path)
     cfg = config_from_dict(ckpt["config"], source=f"{path} (saved config)")
+    tokenizer = checkpoint_tokenizer(ckpt, path)
+    model = Transformer(
+        cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint
+    )
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise CheckpointError(
+            f"{path}: weights do not match the saved model config: {str(e).splitlines()[0]}"
+        ) from None
+    return model.to(device).eval(), tokenizer, cfg, ckpt
+
+
+def checkpoint_tokenizer(ckpt: dict[str, Any], path: Path) -> Tokenizer:
+    """The SentencePiece model(s) a checkpoint was trained with: its run directory's, else the
+    copies it carries; checked against the digest it records."""
     run_dir = run_dir_of(path)
     if Tokenizer.exists(run_dir):
         tokenizer = Tokenizer.load(run_dir)
@@ -195,16 +212,7 @@ def load_for_inference(
             "carries none: copy the run's spm*.model files next to it"
         )
     check_tokenizer(ckpt, tokenizer, path, run_dir)
-    model = Transformer(
-        cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint
-    )
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise CheckpointError(
-            f"{path}: weights do not match the saved model config: {str(e).splitlines()[0]}"
-        ) from None
-    return model.to(device).eval(), tokenizer, cfg, ckpt
+    return tokenizer
 
 
 def check_tokenizer(
@@ -221,18 +229,76 @@ def check_tokenizer(
         )
 
 
+def model_differences(ckpt: dict[str, Any], cfg: Config, ignore: tuple[str, ...] = ()) -> list[str]:
+    """`model.KEY: checkpoint X, config Y` for each model key (but `ignore`) on which the
+    checkpoint's saved config and `cfg` differ."""
+    saved = ckpt["config"].get("model", {})
+    return [
+        f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
+        for k, v in dataclasses.asdict(cfg.model).items()
+        if k not in ignore and saved.get(k) != v
+    ]
+
+
+# Model keys a fine-tuning run may change: they regularise training and leave the weights' shapes.
+FINE_TUNABLE_KEYS = ("dropout", "attention_dropout", "activation_dropout")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parent:
+    """The checkpoint a fine-tuning run (`tmt train --init-from`) starts from: its weights, its
+    SentencePiece model(s) and saved config."""
+
+    path: Path
+    step: int
+    tokenizer: Tokenizer
+    weights: dict[str, Any]
+    config: Config
+
+    def record(self) -> dict[str, Any]:
+        """What the new run keeps of its parent: config.yaml's header, parent.json, checkpoints."""
+        return {"path": str(self.path), "step": self.step, "tokenizer": self.tokenizer.digest}
+
+
+def load_parent(init_from: str | os.PathLike, cfg: Config, resume: Any = None) -> Parent:
+    """The run or checkpoint `--init-from` names (a run directory: its best, else last,
+    checkpoint), refused when it cannot start `cfg`'s model: the model sections must agree (but
+    dropout), and a resume continues a run instead of starting one."""
+    if resume is not None and resume is not False:
+        raise UserError(
+            "--init-from and --resume do not go together: --init-from starts a new run from "
+            "another run's weights; --resume continues this run exactly where it stopped"
+        )
+    path = resolve_checkpoint(init_from).resolve()
+    ckpt = load_checkpoint(path)
+    diff = model_differences(ckpt, cfg, ignore=FINE_TUNABLE_KEYS)
+    if diff:
+        raise CheckpointError(
+            f"cannot fine-tune from {path}: the model config differs: "
+            + "; ".join(diff)
+            + " (the model section must be the parent's; only dropout may change)"
+        )
+    saved = config_from_dict(ckpt["config"], source=f"{path} (saved config)")
+    tokenizer = checkpoint_tokenizer(ckpt, path)
+    return Parent(path, int(ckpt["step"]), tokenizer, ckpt["model"], saved)
+
+
+def start_from(
+    run_dir: Path, resume: str | Path | bool | None, init_from: Any, cfg: Config
+) -> tuple[Path | None, Parent | None]:
+    """Where a run starts: the checkpoint it resumes from, or the parent it is fine-tuned from
+    (neither: from scratch). A directory that holds a run is refused unless resumed."""
+    parent = load_parent(init_from, cfg, resume) if init_from else None
+    return resume_path(run_dir, resume), parent
+
+
 def check_resumable(
     ckpt: dict[str, Any], path: Path, cfg: Config, tokenizer: Tokenizer, run_dir: Path
 ) -> None:
     """A resume continues the same model with the same tokenizer, from a full training
     checkpoint."""
     check_tokenizer(ckpt, tokenizer, path, run_dir, resuming=True)
-    saved = ckpt["config"].get("model", {})
-    diff = [
-        f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
-        for k, v in dataclasses.asdict(cfg.model).items()
-        if saved.get(k) != v
-    ]
+    diff = model_differences(ckpt, cfg)
     if diff:
         raise CheckpointError(
             f"cannot resume from {path}: the model config differs: " + "; ".join(diff)
@@ -285,9 +351,12 @@ def training_checkpoint(
     rng: Any,
     cfg: Config,
     tokenizer: Tokenizer,
+    parent: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything a resume needs, and everything translate needs without the run directory."""
+    """Everything a resume needs, and everything translate needs without the run directory; a
+    fine-tuned run's `parent` (Parent.record)."""
     return {
+        **({"parent": parent} if parent else {}),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -359,7 +428,7 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
                 )
             total[k] = total[k] + v.double() if k in total else v.double()
     model = {k: (v / len(paths)).to(ckpt["model"][k].dtype) for k, v in total.items()}
-    keep = {k: ckpt[k] for k in ("config", "tokenizer", "spm", "step") if k in ckpt}
+    keep = {k: ckpt[k] for k in ("config", "tokenizer", "spm", "step", "parent") if k in ckpt}
     return {**keep, "model": model, "averaged_steps": steps}
 
 

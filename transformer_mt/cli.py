@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         "weights, optimizer, schedule, position in the epoch and random state",
     )
     p.add_argument(
+        "--init-from",
+        metavar="RUN_OR_CHECKPOINT",
+        help="fine-tune: start a NEW run in output_dir from the weights of another run (its "
+        "best.pt, else last.pt) or checkpoint, with its SentencePiece model(s) as they are; the "
+        "model section must match it, the optimizer and schedule start fresh from this config. "
+        "Not with --resume",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -301,11 +309,13 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "export",
-        help="export a checkpoint for CTranslate2 (the [ct2] extra)",
+        help="export a checkpoint for CTranslate2 (the [ct2] extra) or Hugging Face "
+        "transformers (the [hf] extra)",
         description="Convert a checkpoint (or a run directory's best) into a CTranslate2 model "
         "directory: model.bin, vocabularies, the SentencePiece model(s), the run's "
         "config and a README. `tmt translate/evaluate/score/serve --engine "
-        "ctranslate2 -c DIR` then decode with it.",
+        "ctranslate2 -c DIR` then decode with it. With --format transformers: a Marian "
+        "model directory that transformers loads (MarianMTModel, pipeline('translation')).",
     )
     p.add_argument(
         "checkpoint_pos",
@@ -321,9 +331,10 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--format",
-        choices=["ctranslate2"],
+        choices=["ctranslate2", "transformers"],
         default="ctranslate2",
-        help="what to export to (default and only: ctranslate2)",
+        help="what to export to: ctranslate2 (default), or transformers (a Marian model; "
+        "post-norm models only)",
     )
     p.add_argument(
         "--output", "-o", metavar="DIR", required=True, help="directory to write (new, or empty)"
@@ -461,10 +472,17 @@ def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --plot-attention: a grid of every decoder layer and head, over pieces",
     )
-    _add_sampling_flags(p)
+    _add_prefix_and_sampling_flags(p)
 
 
-def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+def _add_prefix_and_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """Where the search starts (a prefix) and whether it samples instead."""
+    p.add_argument(
+        "--prefix-file",
+        metavar="FILE",
+        help="one target prefix per input line (an empty line: none): each translation starts "
+        "with its prefix as typed, the rest is the model's search from there",
+    )
     p.add_argument(
         "--sampling",
         type=_sampling,
@@ -522,7 +540,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import train
 
     try:
-        summary = train(load_config(args.config, args.overrides), resume=args.resume)
+        cfg = load_config(args.config, args.overrides)
+        summary = train(cfg, resume=args.resume, init_from=args.init_from)
     except TrainingInterrupted as e:
         print(f"tmt: {e}", file=sys.stderr)
         return e.exit_code
@@ -556,7 +575,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
     translator.defaults.replace(
         beam=args.beam, nbest=args.nbest, alpha=args.alpha, max_len=args.max_len, sampling=sampling
     )
-    with _open_io(args.input, args.output) as (src, out):
+    # the prefix file opens first: a missing one leaves --output untouched
+    with _prefix_lines(args.prefix_file) as pre, _open_io(args.input, args.output) as (src, out):
         # a person typing: answer each line at once, not after 2,000 of them
         interactive = src.isatty()
         lines = _prompted(src) if interactive else src
@@ -564,6 +584,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
             translator.translate_stream(
                 lines,
                 chunk=1 if interactive else 2000,
+                prefix=pre,
                 beam=args.beam,
                 alpha=args.alpha,
                 max_len=args.max_len,
@@ -612,6 +633,24 @@ def _attention_plotter(folder: Optional[str], all_heads: bool) -> Any:
             plot_attention(h, Path(folder) / f"{i}.png", all_heads=all_heads)
 
     return plot
+
+
+@contextlib.contextmanager
+def _prefix_lines(path: Optional[str]) -> Iterator[Any]:
+    """--prefix-file's lines (read like --input: data.TextLines), or None without it."""
+    from .data import TextLines
+
+    if path is None:
+        yield None
+        return
+    try:
+        raw = open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot open --prefix-file {e.filename}: {e.strerror}") from None
+    with raw:
+        lines = TextLines(raw, path)
+        yield lines
+        lines.warn()
 
 
 @contextlib.contextmanager
@@ -787,12 +826,28 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.checkpoint_pos and args.checkpoint:
         raise UserError("give the checkpoint once: as RUN_OR_CHECKPOINT or with -c, not both")
+    if args.format == "transformers":
+        return _export_transformers(args)
     out = export_ctranslate2(
         args.checkpoint_pos or args.checkpoint, args.output, args.quantization, force=args.force
     )
     print(
         f"exported to {out} ({args.quantization}); decode with: tmt translate --engine ctranslate2 "
         f"-c {out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _export_transformers(args: argparse.Namespace) -> int:
+    from .export_hf import export_transformers
+
+    if args.quantization != "float32":
+        raise UserError("--quantization is for --format ctranslate2; transformers exports float32")
+    out = export_transformers(args.checkpoint_pos or args.checkpoint, args.output, args.force)
+    print(
+        f"exported to {out}; load it with transformers' MarianMTModel and MarianTokenizer (or the "
+        f"Auto classes): {out / 'README.md'} shows how",
         file=sys.stderr,
     )
     return 0

@@ -456,6 +456,9 @@ def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
     return out
 
 
-def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (atomically), so a run directory describes itself."""
-    atomic_write(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode("utf-8"))
+def save_config(cfg: Config, path: str | os.PathLike, header: str = "") -> None:
+    """Write the resolved config as YAML (atomically), so a run directory describes itself;
+    `header`'s lines go first, as YAML comments."""
+    comments = "".join(f"# {line}\n" for line in header.splitlines())
+    text = comments + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    atomic_write(path, text.encode("utf-8"))

@@ -92,21 +92,27 @@ class CT2Engine(Engine):
         generator: torch.Generator | None = None,
         should_stop: StopCheck = None,
         token_scores: bool = True,
+        prefix: list[list[int]] | None = None,
     ) -> list[list[Hypothesis]]:
         """Our search's hypotheses, as CTranslate2 finds them. token_scores=False leaves
         token_logprobs empty and skips the scoring pass that computes them. should_stop is asked
         before the search and before each scoring pass (CTranslate2 searches in one call). A
-        sampling seed was set by seeded_generator (the generator itself is ours only)."""
+        sampling seed was set by seeded_generator (the generator itself is ours only). A prefix
+        goes to CTranslate2 as target_prefix; hypotheses that have one are rescored (their
+        log-probabilities from score_batch, prefix included, as ours counts them)."""
         stop = should_stop or (lambda: False)
+        prefix = prefix if prefix and any(prefix) else None
         # our search's per-sentence output budget, for the source's pieces plus EOS
         budgets = max_output_len(
             torch.tensor([len(x) + 1 for x in ids], dtype=torch.long),
             options.max_len_a,
             options.max_len_b,
             self.max_positions,
+            None if prefix is None else torch.tensor([len(p) for p in prefix], dtype=torch.long),
         ).tolist()
+        pieces = None if prefix is None else [self.tokenizer.tgt.id_to_piece(p) for p in prefix]
         _stop_if(stop)
-        found = dict(enumerate(self._search(ids, budgets, options)))
+        found = dict(enumerate(self._search(ids, budgets, options, pieces)))
         _stop_if(stop)
         # Hypotheses the budget cut are scored (with EOS) to be ranked; then, when asked for, the
         # ones kept get per-token log-probabilities: at most two scoring passes, the second over the
@@ -150,7 +156,11 @@ class CT2Engine(Engine):
     # internals
 
     def _search(
-        self, ids: list[list[int]], budgets: list[int], decode: DecodeOptions
+        self,
+        ids: list[list[int]],
+        budgets: list[int],
+        decode: DecodeOptions,
+        prefix: list[list[str]] | None = None,
     ) -> list[list[Hyp]]:
         """(pieces, log-probability or None, []) of each source's hypotheses, within its own length
         budget.
@@ -184,6 +194,8 @@ class CT2Engine(Engine):
                 # ours samples without them too
                 suppress_sequences=[[p] for p in self._specials],
             )
+        if prefix is not None:
+            options["target_prefix"] = prefix
         found = self._by_budget(ids, budgets, budgets, options)
         if beam > 1 and sampling is None:  # a hypothesis of budget - 1 pieces ended at the budget
             again = [
@@ -192,6 +204,8 @@ class CT2Engine(Engine):
                 if budgets[i] > 1 and any(len(h[0]) == budgets[i] - 1 for h in hyps)
             ]
             every = {**options, "patience": 2.0, "num_hypotheses": 2 * beam}
+            if prefix is not None:
+                every["target_prefix"] = [prefix[i] for i in again]
             src, limit = [ids[i] for i in again], [budgets[i] for i in again]
             full = self._by_budget(src, limit, limit, every)
             shorter = self._by_budget(src, limit, [b - 1 for b in limit], every)
@@ -209,16 +223,16 @@ class CT2Engine(Engine):
         which renormalises every step's log-probabilities and reorders near-ties. So sources are
         searched with nothing suppressed (the log-probabilities ours ranks by), and only one whose
         hypotheses picked PAD or BOS (a model that gives them weight) is searched again with the two
-        suppressed."""
+        suppressed. options["target_prefix"], when there, has one prefix per source."""
         out = self._decode(ids, budgets, steps, options)
         odd = [
             i for i, hyps in enumerate(out) if any(set(self._specials) & set(h[0]) for h in hyps)
         ]
+        suppressed = {**options, "suppress_sequences": [[p] for p in self._specials]}
+        if "target_prefix" in options:
+            suppressed["target_prefix"] = [options["target_prefix"][i] for i in odd]
         again = self._decode(
-            [ids[i] for i in odd],
-            [budgets[i] for i in odd],
-            [steps[i] for i in odd],
-            {**options, "suppress_sequences": [[p] for p in self._specials]},
+            [ids[i] for i in odd], [budgets[i] for i in odd], [steps[i] for i in odd], suppressed
         )
         for i, hyps in zip(odd, again):
             out[i] = hyps
@@ -228,8 +242,11 @@ class CT2Engine(Engine):
         self, ids: list[list[int]], budgets: list[int], steps: list[int], options: dict[str, Any]
     ) -> list[list[Hyp]]:
         """One asynchronous CTranslate2 call per distinct number of steps, so the calls queue back
-        to back."""
+        to back. A hypothesis of a source with a target prefix gets log-probability None (to be
+        rescored): CTranslate2's own score leaves the prefix out."""
         eos = self.tokenizer.tgt.id_to_piece(EOS)
+        options = dict(options)
+        prefix = options.pop("target_prefix", None)
         groups: dict[int, list[int]] = {}
         for i, n in enumerate(steps):
             groups.setdefault(n, []).append(i)
@@ -241,6 +258,7 @@ class CT2Engine(Engine):
                     max_decoding_length=n,
                     asynchronous=True,
                     **options,
+                    **({} if prefix is None else {"target_prefix": [prefix[i] for i in members]}),
                 ),
             )
             for n, members in groups.items()
@@ -253,6 +271,8 @@ class CT2Engine(Engine):
                     _hypothesis(h, s, eos, budgets[i], options["length_penalty"])
                     for h, s in zip(r.hypotheses, r.scores)
                 ]
+                if prefix is not None and prefix[i]:
+                    out[i] = [(p, None, tl) for p, _, tl in out[i]]
         return out
 
     def _score(self, src_ids: list[list[int]], tgt_pieces: list[list[str]]) -> list[list[float]]:

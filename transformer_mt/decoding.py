@@ -111,9 +111,12 @@ class Engine:
         generator: torch.Generator | None = None,
         should_stop: StopCheck = None,
         token_scores: bool = True,
+        prefix: list[list[int]] | None = None,
     ) -> list[list[Hypothesis]]:
         """The options.nbest best hypotheses of each source (one when sampling), best first.
-        token_scores=False may leave token_logprobs empty when that saves work."""
+        token_scores=False may leave token_logprobs empty when that saves work. prefix: target ids
+        each source's hypotheses start with ([]: none; at most max_positions - 1), the rest
+        searched from there, within a budget of at least |prefix| + 1 tokens."""
         raise NotImplementedError
 
     def score(self, src_ids: list[list[int]], tgt_ids: list[list[int]]) -> list[list[float]]:
@@ -180,9 +183,9 @@ class Scored:
         return dataclasses.asdict(self)
 
 
-def empty_hypothesis() -> Hypothesis:
-    """What an empty source line translates to."""
-    return Hypothesis([], 0.0, 0.0, [])
+def empty_hypothesis(prefix: list[int] | None = None) -> Hypothesis:
+    """What an empty source line translates to: nothing, or its target prefix (unscored)."""
+    return Hypothesis(list(prefix or []), 0.0, 0.0, [])
 
 
 def word_attention(

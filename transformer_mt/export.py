@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -67,6 +67,13 @@ def export_ctranslate2(
         )
     ct2 = import_ctranslate2()
     path = resolve_checkpoint(checkpoint)
+    return write_directory(output, force, lambda tmp: _write_export(ct2, path, tmp, quantization))
+
+
+def write_directory(output: str | Path, force: bool, write: Callable[[Path], None]) -> Path:
+    """Call write(tmp) on an empty temporary directory beside `output`, then rename it into place:
+    `output` is whole or untouched. force=True replaces an earlier export (a directory with
+    tmt.json) whole; any other non-empty `output` is refused."""
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
@@ -82,7 +89,7 @@ def export_ctranslate2(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
-        _write_export(ct2, path, tmp, quantization)
+        write(tmp)
         # the earlier export goes aside, the new one takes its name, then the old one goes
         if out.exists():
             old = temp_dir(out.parent, prefix=f".{out.name}.", suffix=".old")

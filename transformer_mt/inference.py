@@ -102,6 +102,7 @@ class Translator:
         generator: torch.Generator | None = None,
         should_stop: StopCheck = None,
         token_scores: bool = True,
+        prefix: Sequence[str] | None = None,
     ) -> list[list[Translation]]:
         """The `nbest` best translations of each line, best first (one per line when sampling).
 
@@ -111,17 +112,31 @@ class Translator:
         passes one); by default `sampling.seed` seeds each call. should_stop is asked between
         decoding steps; True raises search.Cancelled (the server stops work nobody waits for).
         token_scores=False lets an engine skip per-token log-probabilities.
+
+        prefix: one target prefix per line ("": none). Each translation starts with its line's
+        prefix as typed (stripped), the rest searched from there; its pieces, scores and
+        log-probabilities count the prefix's tokens. An empty line with a prefix gives the prefix.
         """
         options = self.defaults.replace(
             beam=beam, nbest=nbest, alpha=alpha, max_len=max_len, sampling=sampling
         )
         if (attention or alignment) and self.engine.name != "torch":
             raise ConfigError("attention and alignment need our engine: drop --engine ctranslate2")
+        typed = self._typed_prefixes(prefix, len(lines))
+        prefix_ids = None if typed is None else self._prefix_ids(typed)
         ids = self._truncated(self.tokenizer.encode_src([line.strip() for line in lines]))
         found = self.translate_ids(
-            ids, options, generator=generator, should_stop=should_stop, token_scores=token_scores
+            ids,
+            options,
+            generator=generator,
+            should_stop=should_stop,
+            token_scores=token_scores,
+            prefix=prefix_ids,
         )
-        out = [[self._translation(h) for h in hyps] for hyps in found]
+        out = [
+            [self._translation(h, typed and typed[i], prefix_ids and prefix_ids[i]) for h in hyps]
+            for i, hyps in enumerate(found)
+        ]
         if attention or alignment:
             for src, hyps in zip(ids, out):
                 for t in hyps:
@@ -136,14 +151,20 @@ class Translator:
         generator: torch.Generator | None = None,
         should_stop: StopCheck = None,
         token_scores: bool = True,
+        prefix: Sequence[Sequence[int]] | None = None,
     ) -> list[list[Hypothesis]]:
         """The n-best hypotheses of each (truncated) source, in input order; an empty source gives
-        one empty hypothesis. Sources are sorted by length and cut into batches of at most
-        max_src_tokens = sentences x beam x (longest source + 1)."""
+        one empty hypothesis (its prefix's tokens, if any, unscored). Sources are sorted by length
+        and cut into batches of at most max_src_tokens = sentences x beam x (longest source + 1).
+        prefix: target ids each source's hypotheses start with ([]: none), at most
+        max_positions - 1 of them."""
         options, ids = options or self.defaults, self._truncated(ids)
         if options.sampling is not None and generator is None:  # one seed for the whole call
             generator = self.engine.seeded_generator(options.sampling)
-        out = [[empty_hypothesis()] for _ in ids]
+        pre = [list(p) for p in prefix] if prefix is not None and any(prefix) else None
+        if pre is not None and len(pre) != len(ids):
+            raise DataError(f"{len(pre)} prefixes for {len(ids)} sources: one per source")
+        out = [[empty_hypothesis(pre[i] if pre else [])] for i in range(len(ids))]
         lengths = [len(x) for x in ids]
         for batch in self._batches(lengths, options.beam, options.max_src_tokens):
             found = self.engine.search(
@@ -152,6 +173,7 @@ class Translator:
                 generator=generator,
                 should_stop=should_stop,
                 token_scores=token_scores,
+                prefix=None if pre is None else [pre[i] for i in batch],
             )
             for i, hyps in zip(batch, found):
                 out[i] = hyps
@@ -167,18 +189,32 @@ class Translator:
         *,
         chunk: int = 2000,
         sampling: Sampling | None = None,
+        prefix: Iterable[str] | None = None,
         **options: Any,
     ) -> Iterator[tuple[str, list[Translation]]]:
         """Translate an arbitrarily long stream in chunks of `chunk` lines, yielding (line, its
         n-best list) in order; `options` are translate()'s. A sampling seed seeds the whole stream
-        once.
+        once. prefix: a stream of target prefixes, one per line (read like the lines; "": none);
+        DataError when the two streams differ in length.
 
         A line ends at "\\n" only (a trailing "\\r" of a CRLF file is dropped); with chunk=1 each
         line is translated as soon as it arrives, for interactive use.
         """
         generator = self.engine.seeded_generator(sampling) if sampling is not None else None
-        for buf in chunks((_line(x) for x in lines), chunk):
-            found = self.translate(buf, sampling=sampling, generator=generator, **options)
+        if prefix is None:
+            for buf in chunks((_line(x) for x in lines), chunk):
+                found = self.translate(buf, sampling=sampling, generator=generator, **options)
+                yield from zip(buf, found)
+            return
+        for pairs in chunks(_paired(lines, prefix), chunk):
+            buf = [x for x, _ in pairs]
+            found = self.translate(
+                buf,
+                sampling=sampling,
+                generator=generator,
+                prefix=[p for _, p in pairs],
+                **options,
+            )
             yield from zip(buf, found)
 
     # ----------------------------------------------------------------------------------- scoring
@@ -250,8 +286,36 @@ class Translator:
         widths = np.array([lengths[i] + 1 for i in order], dtype=np.int64)
         return cut_batches(order, widths, max_src_tokens // width)
 
-    def _translation(self, h: Hypothesis) -> Translation:
+    def _typed_prefixes(self, prefix: Sequence[str] | None, n: int) -> list[str] | None:
+        """The prefixes as typed (stripped), one per line; None when there are none."""
+        if prefix is None:
+            return None
+        if isinstance(prefix, str) or len(prefix) != n:
+            count = "a string" if isinstance(prefix, str) else f"{len(prefix)} prefixes"
+            raise DataError(f"{count} for {n} lines: prefix takes one string per line")
+        typed = [p.strip() for p in prefix]
+        return typed if any(typed) else None
+
+    def _prefix_ids(self, typed: list[str]) -> list[list[int]]:
+        """Target ids of each prefix, cut to max_positions - 1 (with one warning): the output
+        budget always has room for the prefix and EOS."""
+        ids = self.tokenizer.encode_tgt(typed)
+        limit = self.max_positions - 1
+        too_long = sum(len(x) > limit for x in ids)
+        if too_long:
+            log.warning("%d prefix(es) longer than %d tokens were truncated", too_long, limit)
+        return [x[:limit] for x in ids]
+
+    def _translation(
+        self, h: Hypothesis, typed: str | None = None, prefix: list[int] | None = None
+    ) -> Translation:
+        """A hypothesis as text and pieces; a prefix, when it has one, is shown as it was typed
+        (where detokenizing would change it: normalised spaces, unknown characters)."""
         text = self.tokenizer.decode_tgt([h.tokens])[0]
+        if typed and prefix and h.tokens[: len(prefix)] == prefix:
+            decoded = self.tokenizer.decode_tgt([prefix])[0]
+            if text.startswith(decoded):
+                text = typed + text[len(decoded) :]
         pieces = self.tokenizer.tgt.id_to_piece(h.tokens)
         return Translation(text, pieces, h.logprob, h.score, h.token_logprobs)
 
@@ -264,6 +328,19 @@ class Translator:
         t.attention = last.tolist()
         t.source_pieces = self.tokenizer.src.id_to_piece(src_ids)
         t.alignment = align_words(last, t.source_pieces, t.pieces)
+
+
+def _paired(lines: Iterable[str], prefixes: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(line, prefix) pairs of two streams read alike; DataError when one ends first."""
+    missing = object()
+    lines_it, prefix_it = iter(lines), iter(prefixes)
+    for n, line in enumerate(lines_it):
+        p = next(prefix_it, missing)
+        if p is missing:
+            raise DataError(f"the prefixes end after {n} lines: one prefix line per input line")
+        yield _line(line), _line(p)  # type: ignore[arg-type]
+    if next(prefix_it, missing) is not missing:
+        raise DataError("there are more prefix lines than input lines")
 
 
 def _line(text: str) -> str:

@@ -4,13 +4,17 @@ loop calls (DDP, torch.compile) and the event log. train.py runs the loop on wha
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
+from .checkpoint import Parent
 from .config import Config, TrainConfig, save_config
 from .data import TrainingData, prepare_data, prepare_tokenizer
 from .distributed import (
@@ -21,6 +25,8 @@ from .distributed import (
     rank_zero_first,
     seed_everything,
 )
+from .errors import UserError
+from .fileio import atomic_write
 from .model import Transformer, label_smoothed_loss
 from .runtime import (
     BF16_OUTPUT,
@@ -31,19 +37,88 @@ from .runtime import (
     training_precision,
 )
 from .tokenizer import Tokenizer
+from .vocab import UNK
 
 log = logging.getLogger("transformer_mt")
 
 
-def prepare_run(cfg: Config, run_dir: Path, d: Dist) -> tuple[Tokenizer, TrainingData]:
+def prepare_run(
+    cfg: Config, run_dir: Path, d: Dist, parent: Parent | None = None
+) -> tuple[Tokenizer, TrainingData]:
     """The run directory with its config, the tokenizer and the tokenized data. Rank 0 trains the
-    tokenizer and fills the cache; the other ranks then read them."""
+    tokenizer and fills the cache; the other ranks then read them. A fine-tuning run (`parent`)
+    takes its parent's SentencePiece model(s) and tokenizer section as they are."""
+    if parent is not None:
+        adopt_tokenizer_config(cfg, parent)
     with rank_zero_first(d):
         if d.main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, run_dir / "config.yaml")
+            if parent is not None:
+                write_parent(run_dir, parent)
+            save_config(cfg, run_dir / "config.yaml", parent_header(run_dir))
         tokenizer = prepare_tokenizer(cfg, run_dir)
-        return tokenizer, prepare_data(cfg, tokenizer)
+        data = prepare_data(cfg, tokenizer)
+    if parent is not None and d.main:
+        log_unknown_share(data)
+    return tokenizer, data
+
+
+def adopt_tokenizer_config(cfg: Config, parent: Parent) -> None:
+    """The tokenizer section becomes the parent's: its vocabulary is used, none is trained."""
+    if cfg.tokenizer != parent.config.tokenizer:
+        log.info(
+            "--init-from: the tokenizer section is the parent's (no new vocabulary is trained)"
+        )
+    cfg.tokenizer = dataclasses.replace(parent.config.tokenizer)
+
+
+def write_parent(run_dir: Path, parent: Parent) -> None:
+    """The parent's SentencePiece model(s), byte for byte, and parent.json (its path, step and
+    tokenizer digest). A run directory that already holds another vocabulary is refused."""
+    if Tokenizer.exists(run_dir):
+        mine = Tokenizer.load(run_dir).digest
+        if mine != parent.tokenizer.digest:
+            raise UserError(
+                f"--init-from: {run_dir} already holds a SentencePiece model ({mine}) that is not "
+                f"the parent's ({parent.tokenizer.digest}): set another output_dir"
+            )
+    else:
+        parent.tokenizer.save(run_dir)
+    text = json.dumps(parent.record(), indent=2) + "\n"
+    atomic_write(run_dir / "parent.json", text.encode("utf-8"))
+
+
+def parent_header(run_dir: Path) -> str:
+    """config.yaml's first line in a fine-tuned run (resumed ones too): where it started from."""
+    path = run_dir / "parent.json"
+    if not path.exists():
+        return ""
+    record = json.loads(path.read_text(encoding="utf-8"))
+    return f"fine-tuned from {record['path']} (step {record['step']}): parent.json"
+
+
+def log_unknown_share(data: TrainingData) -> None:
+    """How much of the new training corpus the parent's vocabulary spells as <unk>."""
+    shares = []
+    for ids in (data.train.src_ids, data.train.tgt_ids):
+        shares.append(float(np.count_nonzero(np.asarray(ids) == UNK)) / max(len(ids), 1))
+    level = logging.WARNING if max(shares) > 0.01 else logging.INFO
+    log.log(
+        level,
+        "--init-from: <unk> pieces in the training corpus under the parent's vocabulary: "
+        "%.2f%% of source, %.2f%% of target tokens",
+        100 * shares[0],
+        100 * shares[1],
+    )
+
+
+def build_model(cfg: Config, tokenizer: Tokenizer, parent: Parent | None) -> Transformer:
+    """The model to train: fresh, or with the parent's weights (a fine-tuning run)."""
+    model = Transformer(cfg.model, *tokenizer.sizes())
+    if parent is not None:
+        model.load_state_dict(parent.weights)
+        log.info("--init-from: weights of %s (step %d)", parent.path, parent.step)
+    return model
 
 
 def training_forward(

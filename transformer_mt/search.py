@@ -31,9 +31,69 @@ def _check_stop(should_stop: StopCheck) -> None:
         raise Cancelled("the search was stopped between decoding steps")
 
 
-def max_output_len(src_lens: torch.Tensor, a: float, b: int, limit: int) -> torch.Tensor:
-    """Per-sentence output budget a*|src| + b tokens (EOS included), capped at `limit`."""
-    return (src_lens.float() * a + b).floor().long().clamp(1, limit)
+def max_output_len(
+    src_lens: torch.Tensor,
+    a: float,
+    b: int,
+    limit: int,
+    prefix_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-sentence output budget a*|src| + b tokens (EOS included), capped at `limit`; at least
+    room for a target prefix and EOS (|prefix| + 1): a prefix is never cut, and one that fills the
+    budget ends right after it."""
+    budget = (src_lens.float() * a + b).floor().long()
+    if prefix_lens is not None:
+        budget = torch.maximum(budget, prefix_lens.to(budget.device) + 1)
+    return budget.clamp(1, limit)
+
+
+Prefixes = list[list[int]] | None  # per source row: target ids each output starts with ([]: none)
+
+
+def _prefix_tensor(
+    prefix: Prefixes, B: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Prefixes as (B, P) ids (PAD-padded) and (B,) lengths; None when no row has one."""
+    if prefix is None or not any(prefix):
+        return None
+    if len(prefix) != B:
+        raise ValueError(f"{len(prefix)} prefixes for {B} sources")
+    P = max(len(p) for p in prefix)
+    ids = torch.full((B, P), PAD, dtype=torch.long)
+    for row, p in enumerate(prefix):
+        ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return ids.to(device), torch.tensor([len(p) for p in prefix], device=device)
+
+
+def _force_prefix(scores: torch.Tensor, tok: torch.Tensor, on: torch.Tensor) -> None:
+    """Rows `on` (n,) still inside their prefix may only take their prefix token `tok` (n,): every
+    other token gets -inf, the prefix token keeps its score."""
+    keep = scores.gather(1, tok.unsqueeze(1))  # (n, 1); rows not `on` get theirs back unchanged
+    scores.masked_fill_(on.unsqueeze(1), -math.inf)
+    scores.scatter_(1, tok.unsqueeze(1), keep)
+
+
+def _budgets(
+    model: Transformer,
+    src: torch.Tensor,
+    max_len_a: float,
+    max_len_b: int,
+    pre: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Each source row's output budget (B,): a*|src| + b, and room for its prefix and EOS."""
+    lens = None if pre is None else pre[1]
+    return max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions, lens)
+
+
+def _prefix_step(
+    pre: tuple[torch.Tensor, torch.Tensor] | None, rows: torch.Tensor, t: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The prefix token of each of `rows` (original source rows) at step t, and whether the row is
+    still inside its prefix; None when no prefix reaches step t."""
+    if pre is None or t >= pre[0].size(1):
+        return None
+    ids, lens = pre
+    return ids[rows, t], lens[rows] > t
 
 
 def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | float:
@@ -117,14 +177,16 @@ def greedy_search(
     sampling: Sampling | None = None,
     generator: torch.Generator | None = None,
     should_stop: StopCheck = None,
+    prefix: Prefixes = None,
 ) -> list[list[Hypothesis]]:
     """The most likely next token at each step (or one drawn by `sampling`); src (B, S) -> one
-    hypothesis per sentence (a list of one, like beam search's n-best lists). `should_stop` is asked
+    hypothesis per sentence (a list of one, like beam search's n-best lists). Each row's `prefix`
+    tokens are forced at the first steps (their log-probabilities counted). `should_stop` is asked
     before every step; True raises Cancelled."""
     B, device = src.size(0), src.device
     memory, src_mask = model.encode(src)
-    # (B,)
-    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)
+    pre = _prefix_tensor(prefix, B, device)
+    max_len = _budgets(model, src, max_len_a, max_len_b, pre)  # (B,)
     T = int(max_len.max())
     out_tok = torch.full((B, T), EOS, dtype=torch.long, device=device)  # filled in on the device,
     out_logp = torch.zeros((B, T), device=device)  # read back once at the end
@@ -137,6 +199,9 @@ def greedy_search(
         log_z = logits.logsumexp(-1)  # (n,): log-probability = logit - log_z
         # out of budget: this token must be EOS
         _force_eos(_mask_specials(logits), max_len[alive] <= t + 1)
+        forced = _prefix_step(pre, alive, t)
+        if forced is not None:
+            _force_prefix(logits, *forced)
         next_tok = (
             logits.argmax(-1)
             if sampling is None
@@ -228,14 +293,20 @@ def _keep_finished(
 
 
 def _candidates(
-    logits: torch.Tensor, cum: torch.Tensor, forced: torch.Tensor
+    logits: torch.Tensor,
+    cum: torch.Tensor,
+    forced: torch.Tensor,
+    in_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 2K best extensions of each sentence's K live hypotheses (beam_step's four (N, 2K)
-    tensors), from the step's logits (N*K, V); `forced` rows (N*K,) may only end."""
+    tensors), from the step's logits (N*K, V); `forced` rows (N*K,) may only end; rows inside a
+    prefix (`in_prefix`: token and flag per row) may only take its token."""
     N, K = cum.shape
     logp = _mask_specials(F.log_softmax(logits, dim=-1, dtype=torch.float32))  # (N*K, V)
     if forced.any():
         _force_eos(logp, forced)
+    if in_prefix is not None:
+        _force_prefix(logp, *in_prefix)
     # Each hypothesis's 2K best tokens are enough to find the sentence's 2K best extensions.
     cand_logp, cand_tok = topk_rows(logp, min(2 * K, logp.size(1)))  # (N*K, 2K)
     return beam_step(cum, cand_logp.view(N, K, -1), cand_tok.view(N, K, -1), 2 * K)
@@ -289,30 +360,30 @@ def beam_search(
     max_len_b: int = 10,
     nbest: int = 1,
     should_stop: StopCheck = None,
+    prefix: Prefixes = None,
 ) -> list[list[Hypothesis]]:
-    """Batched beam search; the `nbest` best finished hypotheses of each source row, best first.
-    Hypotheses are scored by log P(Y|X) / lp(Y) (GNMT length penalty, |Y| counting EOS); a sentence
-    is finished once it has `beam` complete hypotheses or reaches its length budget. `should_stop`
-    is asked before every step (True raises Cancelled)."""
+    """Batched beam search; the `nbest` best finished hypotheses of each row, best first, scored
+    log P(Y|X) / lp(Y) (GNMT, |Y| counting EOS); a sentence ends with `beam` finished hypotheses or
+    at its budget. A row's `prefix` is forced first (the beam opens after it); `should_stop` is
+    asked before every step (True raises Cancelled)."""
     B, K, device = src.size(0), beam, src.device
     memory, src_mask = model.encode(src)
-    # (B,)
-    max_len = max_output_len((src != PAD).sum(1), max_len_a, max_len_b, model.cfg.max_positions)
-    # Each sentence's K hypotheses sit in K consecutive rows of every decoder tensor.
-    expand = torch.arange(B, device=device).repeat_interleave(K)
+    pre = _prefix_tensor(prefix, B, device)
+    max_len = _budgets(model, src, max_len_a, max_len_b, pre)  # (B,)
+    expand = torch.arange(B, device=device).repeat_interleave(K)  # a sentence's K rows, adjacent
     memory, src_mask = memory[expand], src_mask[expand]  # (B*K, S, d), (B*K, 1, 1, S)
     alive = torch.arange(B, device=device)  # original sentence of each live group
     cum, seqs, seq_logp, tokens = _first_beams(B, K, device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    # len(finished[b]), kept on the device
-    n_finished = torch.zeros(B, dtype=torch.long, device=device)
+    n_finished = torch.zeros(B, dtype=torch.long, device=device)  # len(finished[b]), on device
     cache = model.new_cache()
     for t in range(int(max_len.max())):
         _check_stop(should_stop)
         N = len(alive)
         logits = model.decode_step(tokens, memory, src_mask, cache)  # (N*K, V)
         forced = (max_len[alive] <= t + 1).repeat_interleave(K)  # out of budget: end with EOS
-        top, src_beam, tok, tok_logp = _candidates(logits, cum, forced)  # (N, 2K) each
+        in_prefix = _prefix_step(pre, alive.repeat_interleave(K), t)
+        top, src_beam, tok, tok_logp = _candidates(logits, cum, forced, in_prefix)  # (N, 2K) each
         # Candidates ending in EOS among the best K become finished hypotheses.
         is_eos = tok == EOS  # (N, 2K)
         final = is_eos[:, :K] & torch.isfinite(top[:, :K])
@@ -353,9 +424,10 @@ def search(
     sampling: Sampling | None = None,
     generator: torch.Generator | None = None,
     should_stop: StopCheck = None,
+    prefix: Prefixes = None,
 ) -> list[list[Hypothesis]]:
     """Greedy search for beam 1 (or sampling, when given), else beam search: src (B, S) -> the
-    n-best hypotheses of each row."""
+    n-best hypotheses of each row, each starting with its row's `prefix` ids (if any)."""
     if beam == 1 or sampling is not None:
         return greedy_search(
             model,
@@ -365,6 +437,7 @@ def search(
             sampling=sampling,
             generator=generator,
             should_stop=should_stop,
+            prefix=prefix,
         )
     return beam_search(
         model,
@@ -375,6 +448,7 @@ def search(
         max_len_b=max_len_b,
         nbest=nbest,
         should_stop=should_stop,
+        prefix=prefix,
     )
 
 

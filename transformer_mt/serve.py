@@ -58,7 +58,16 @@ PAGE = Path(__file__).parent / "static" / "index.html"
 ATTENTION_UNIT = 640  # attended positions that cost as much as the rest of a hypothesis's step
 STEP_OVERHEAD = 16  # steps' worth of fixed cost of each decoding step of a call
 MAX_ALPHA, MAX_LEN_A = 5.0, 10.0  # per-request ranges of the length penalty and of the budget's A
-TRANSLATE_KEYS = ("text", "beam", "nbest", "alpha", "max_len", "alignment", "attention")
+TRANSLATE_KEYS = (
+    "text",
+    "beam",
+    "nbest",
+    "alpha",
+    "max_len",
+    "alignment",
+    "attention",
+    "prefix",
+)
 SCORE_KEYS = ("source", "target")
 
 
@@ -127,7 +136,8 @@ class Job:
 
     def key(self) -> tuple:
         return (
-            (self.kind, tuple(sorted(self.options.items())))
+            # per-line prefixes do not split batches: _call takes each line's
+            (self.kind, tuple(sorted((k, v) for k, v in self.options.items() if k != "prefix")))
             if self.kind == "translate"
             else ("score",)
         )
@@ -403,8 +413,15 @@ class Batcher:
         jobs = [j for j, _, _ in batch]
         lines = [line for j, start, end in batch for line in j.lines[start:end]]
         if jobs[0].kind == "translate":
+            options = {k: v for k, v in jobs[0].options.items() if k != "prefix"}
+            if any("prefix" in j.options for j in jobs):
+                options["prefix"] = [
+                    p
+                    for j, start, end in batch
+                    for p in j.options.get("prefix", [""] * len(j.lines))[start:end]
+                ]
             results = self.translator.translate(
-                lines, **jobs[0].options, should_stop=lambda: all(j.dead() for j in jobs)
+                lines, **options, should_stop=lambda: all(j.dead() for j in jobs)
             )
         else:
             targets = [t for j, start, end in batch for t in j.options["targets"][start:end]]
@@ -510,11 +527,19 @@ def parse_translate(
             "max_len must be [A, B]: output at most A x source length + B tokens, A from 0 to "
             f"{MAX_LEN_A:g}, B a whole number from 1 to {top}; got {max_len!r}",
         )
-    flags = {}
+    flags: dict[str, Any] = {}
     for key in ("alignment", "attention"):
         flags[key] = body.get(key, False)
         if not isinstance(flags[key], bool):
             raise Refused(400, f"{key} must be true or false, got {flags[key]!r}")
+    if "prefix" in body:
+        prefix = _text_list(body, "prefix", limits)
+        if len(prefix) != len(text):
+            raise Refused(
+                400, f"text has {len(text)} lines but prefix has {len(prefix)}: one per line"
+            )
+        if any(prefix):  # all empty: the same as none
+            flags["prefix"] = prefix
     return text, {
         "beam": beam,
         "nbest": nbest,
@@ -550,18 +575,24 @@ def translate_work(
     translator: Any, lines: list[str], options: dict[str, Any]
 ) -> tuple[list[int], list[int]]:
     """(steps, decoding steps) of each line: beam x its output budget (search.max_output_len's, of
-    the source as translate cuts it), plus the n-best's teacher-forced passes when attention or
-    alignment is asked for."""
+    the source as translate cuts it, at least a target prefix's pieces + 1), plus the n-best's
+    teacher-forced passes when attention or alignment is asked for."""
     a, b = options["max_len"]
     top = translator.max_positions
     rows = options["beam"] + (
         options["nbest"] if options["attention"] or options["alignment"] else 0
     )
+    prefix = options.get("prefix")
+    room = (
+        [len(p) + 1 for p in translator.tokenizer.encode_tgt(prefix)]
+        if prefix
+        else [0] * len(lines)
+    )
     work, steps = [], []
-    for ids in translator.tokenizer.encode_src([line.strip() for line in lines]):
+    for ids, least in zip(translator.tokenizer.encode_src([line.strip() for line in lines]), room):
         source = min(len(ids), top - 1) + 1
         # an empty line is not searched
-        budget = max(1, min(math.floor(source * a + b), top)) if ids else 0
+        budget = min(max(1, least, math.floor(source * a + b)), top) if ids else 0
         work.append(line_work(source, rows, budget))
         steps.append(budget)
     return work, steps

@@ -27,9 +27,9 @@ from .checkpoint import (
     average_last,
     load_training_checkpoint,
     restore_training,
-    resume_path,
     save_checkpoint,
     save_rotating,
+    start_from,
     training_checkpoint,
     validation_score,
 )
@@ -38,10 +38,11 @@ from .data import Batch, EpochBatches, read_split
 from .distributed import agree, agree_min, gathered_rng, global_sum, leave_distributed, restore_rng
 from .errors import TrainingDiverged, TrainingInterrupted
 from .evaluate import validation_metrics
-from .model import Transformer, label_smoothed_loss
+from .model import label_smoothed_loss
 from .optim import build_optimizer, cooldown_by_steps, plan_cooldown
 from .prepare import (
     NullWriter,
+    build_model,
     describe_run,
     init_runtime,
     open_event_log,
@@ -143,19 +144,21 @@ def stopped_already(tc: TrainConfig, state: TrainState, batches: EpochBatches) -
 
 
 class Trainer:
-    """Builds data, tokenizer, model and optimizer from a Config and runs the loop."""
+    """Builds data, tokenizer, model and optimizer from a Config and runs the loop: a new run, a
+    resumed one (`resume`), or a new one from another run's weights (`init_from`: fine-tuning)."""
 
-    def __init__(self, cfg: Config, resume: str | Path | bool | None = None):
+    def __init__(self, cfg: Config, resume: str | Path | bool | None = None, init_from: Any = None):
         self.started = time.perf_counter()
         self.cfg, self.run_dir, tc = cfg, Path(cfg.output_dir), cfg.train
-        resume_from = resume_path(self.run_dir, resume)
+        resume_from, parent = start_from(self.run_dir, resume, init_from, cfg)
         self.dist, self.device = init_runtime(tc)
         resumed = resume_from and load_training_checkpoint(resume_from, map_location=self.device)
-        self.tokenizer, self.data = prepare_run(cfg, self.run_dir, self.dist)
+        self.parent = resumed.get("parent") if resumed else parent and parent.record()
+        self.tokenizer, self.data = prepare_run(cfg, self.run_dir, self.dist, parent)
         self.batches = EpochBatches(self.data, tc, self.dist.rank, self.dist.world)
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # raw: BLEU's
-        self.model = Transformer(cfg.model, *self.tokenizer.sizes()).to(self.device)
+        self.model = build_model(cfg, self.tokenizer, parent).to(self.device)
         self.precision = set_up_precision(self.model, tc, self.dist, self.device, resumed)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.state, self.writer = TrainState(), NullWriter()  # the log opens in _start
@@ -403,6 +406,7 @@ class Trainer:
             cfg=self.cfg,
             tokenizer=self.tokenizer,
             train_state={**dataclasses.asdict(self.state), "seconds": self.minutes() * 60},
+            parent=self.parent,
         )
 
     def save(self, metrics: dict[str, float], *, best: bool = False, rng: Any = None) -> None:
@@ -434,12 +438,12 @@ class Trainer:
         return self.validation_metrics()
 
 
-def train(cfg: Config, resume: str | Path | bool | None = None) -> dict[str, Any]:
-    """Train a model as the config says; the run directory is cfg.output_dir. Under torchrun the
-    process group is left on the way out, also on errors and interruptions."""
+def train(cfg: Config, resume: Any = None, init_from: Any = None) -> dict[str, Any]:
+    """Train a model as the config says (resumed, or fine-tuned from `init_from`: see Trainer).
+    Under torchrun the process group is left on the way out, also on errors and interruptions."""
     clean = False
     try:
-        summary = Trainer(cfg, resume).train()
+        summary = Trainer(cfg, resume, init_from).train()
         clean = True
         return summary
     finally:

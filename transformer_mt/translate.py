@@ -54,6 +54,7 @@ class TorchEngine(Engine):
         generator: torch.Generator | None = None,
         should_stop: StopCheck = None,
         token_scores: bool = True,
+        prefix: list[list[int]] | None = None,
     ) -> list[list[Hypothesis]]:
         return search(
             self.model,
@@ -66,6 +67,7 @@ class TorchEngine(Engine):
             sampling=options.sampling,
             generator=generator,
             should_stop=should_stop,
+            prefix=prefix,
         )
 
     def score(self, src_ids: list[list[int]], tgt_ids: list[list[int]]) -> list[list[float]]:
