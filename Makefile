@@ -52,6 +52,7 @@ bench: install
 # The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.
 bench-quality: install
 	$(PY) -m scripts.bench_quality --budget 20 --fp32-steps 600
+	$(PY) -m scripts.bench_finetune
 
 # The README's figures, drawn by the code: the demo model's attention (run `make demo` first) and
 # the served page as the browser test leaves it.

@@ -21,6 +21,7 @@ from scripts import (
     bench_bigcorpus,
     bench_decode,
     bench_demo,
+    bench_finetune,
     bench_quality,
     bench_serve,
     ct2_agreement,
@@ -241,6 +242,32 @@ def test_demo_from_a_fresh_clone(tmp_path):
     assert res["bleu"] is not None and res["signature"].startswith("BLEU|")
     assert len(res["samples"]) == 5  # one translation per sample line, whatever it says
     assert section(md, "demo").startswith("## `make demo` from a fresh clone")
+
+
+def test_finetune(tiny, tmp_path):
+    """The tiny run as the parent, fine-tuned 3 updates on a tiny demo corpus the bench generates
+    itself; both models scored on both test sets."""
+    argv = ["--parent", str(tiny.run), "--demo-sizes", "120", "8", "8", "--workdir", str(tmp_path)]
+    argv += ["--minutes", "0", "--steps", "3", "--warmup", "2", "--valid-every", "3", "--beam", "1"]
+    assert bench_finetune.main([*argv, *outputs(tmp_path, "finetune.json")]) == 0
+    res, md = written(tmp_path, "finetune.json")
+    assert res["train"]["steps"] == 3 and res["train"]["parent_step"] == 3
+    assert (
+        res["train"]["unk_src_percent"] is not None and res["corpus_pairs"] == "120 training pairs"
+    )
+    assert [r["model"] for r in res["rows"]] == ["parent", "fine-tuned"]
+    for row in res["rows"]:
+        assert row["new"]["sentences"] == 8 and row["old"]["sentences"] == 16
+        assert all(0 <= row[k]["bleu"] <= 100 and row[k]["beam"] == 1 for k in ("new", "old"))
+    assert res["rows"][1]["new"]["checkpoint"].startswith(str(tmp_path / "run"))
+    text = section(md, "finetune")
+    assert text.startswith("## Fine-tuning the Multi30k model on the demo grammar (`scripts/")
+    assert "| model | the demo grammar BLEU | Multi30k BLEU | signature |" in text
+    assert "3 fine-tuning updates in " in text and "<unk> pieces make" in text
+    # the report is rewritten from the JSON alone
+    (tmp_path / "BENCHMARKS.md").unlink()
+    assert bench_finetune.main(["--report-only", *outputs(tmp_path, "finetune.json")]) == 0
+    assert section(written(tmp_path, "finetune.json")[1], "finetune") == text
 
 
 def test_ct2_agreement(tiny, tmp_path):
