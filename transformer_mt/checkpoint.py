@@ -260,15 +260,10 @@ class Parent:
         return {"path": str(self.path), "step": self.step, "tokenizer": self.tokenizer.digest}
 
 
-def load_parent(init_from: str | os.PathLike, cfg: Config, resume: Any = None) -> Parent:
+def load_parent(init_from: str | os.PathLike, cfg: Config) -> Parent:
     """The run or checkpoint `--init-from` names (a run directory: its best, else last,
     checkpoint), refused when it cannot start `cfg`'s model: the model sections must agree (but
-    dropout), and a resume continues a run instead of starting one."""
-    if resume is not None and resume is not False:
-        raise UserError(
-            "--init-from and --resume do not go together: --init-from starts a new run from "
-            "another run's weights; --resume continues this run exactly where it stopped"
-        )
+    dropout)."""
     path = resolve_checkpoint(init_from).resolve()
     ckpt = load_checkpoint(path)
     diff = model_differences(ckpt, cfg, ignore=FINE_TUNABLE_KEYS)
@@ -288,7 +283,12 @@ def start_from(
 ) -> tuple[Path | None, Parent | None]:
     """Where a run starts: the checkpoint it resumes from, or the parent it is fine-tuned from
     (neither: from scratch). A directory that holds a run is refused unless resumed."""
-    parent = load_parent(init_from, cfg, resume) if init_from else None
+    if init_from and resume is not None and resume is not False:
+        raise UserError(
+            "--init-from and --resume do not go together: --init-from starts a new run from "
+            "another run's weights; --resume continues this run exactly where it stopped"
+        )
+    parent = load_parent(init_from, cfg) if init_from else None
     return resume_path(run_dir, resume), parent
 
 

@@ -255,7 +255,7 @@ def model_spec(ct2: Any, model: Transformer, tokenizer: Tokenizer) -> Any:
         _norm(spec.encoder.layer_norm, model.encoder.norm)
         _norm(spec.decoder.layer_norm, model.decoder.norm)
     spec.decoder.projection.weight = _np(model.generator.weight)
-    src_vocab, tgt_vocab = _vocabulary(tokenizer.src), _vocabulary(tokenizer.tgt)
+    src_vocab, tgt_vocab = vocabulary_pieces(tokenizer.src), vocabulary_pieces(tokenizer.tgt)
     spec.register_source_vocabulary(src_vocab)
     spec.register_target_vocabulary(tgt_vocab)
     c = spec.config
@@ -302,7 +302,9 @@ def _ffn(spec: Any, ff: torch.nn.Module, norm: torch.nn.LayerNorm) -> None:
     _norm(spec.layer_norm, norm)
 
 
-def _vocabulary(sp: Any) -> list[str]:
+def vocabulary_pieces(sp: Any) -> list[str]:
+    """Every piece of a SentencePiece model in id order: what an exported vocabulary lists (the
+    CTranslate2 and the transformers exports); duplicates refused, as pieces are looked up."""
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     if len(set(pieces)) != len(pieces):
         raise ExportError(

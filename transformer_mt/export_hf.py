@@ -24,7 +24,7 @@ import torch
 from . import __version__
 from .checkpoint import load_for_inference, resolve_checkpoint
 from .config import Config
-from .export import MANIFEST, ExportError, _vocabulary, write_directory
+from .export import MANIFEST, ExportError, vocabulary_pieces, write_directory
 from .model import MultiHeadAttention, Transformer
 from .tokenizer import Tokenizer
 from .vocab import BOS, EOS, PAD
@@ -233,7 +233,7 @@ def _write_tokenizer(out: Path, tokenizer: Tokenizer, cfg: Config) -> None:
 
 
 def _write_vocab(path: Path, sp: Any) -> None:
-    pieces = _vocabulary(sp)  # refuses duplicate pieces
+    pieces = vocabulary_pieces(sp)  # refuses duplicate pieces
     expected = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
     for i, piece in expected.items():
         if pieces[i] != piece:

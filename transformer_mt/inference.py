@@ -133,10 +133,8 @@ class Translator:
             token_scores=token_scores,
             prefix=prefix_ids,
         )
-        out = [
-            [self._translation(h, typed and typed[i], prefix_ids and prefix_ids[i]) for h in hyps]
-            for i, hyps in enumerate(found)
-        ]
+        shown = [None] * len(lines) if typed is None else self._shown_prefixes(typed, prefix_ids)
+        out = [[self._translation(h, shown[i]) for h in hyps] for i, hyps in enumerate(found)]
         if attention or alignment:
             for src, hyps in zip(ids, out):
                 for t in hyps:
@@ -201,21 +199,13 @@ class Translator:
         line is translated as soon as it arrives, for interactive use.
         """
         generator = self.engine.seeded_generator(sampling) if sampling is not None else None
-        if prefix is None:
-            for buf in chunks((_line(x) for x in lines), chunk):
-                found = self.translate(buf, sampling=sampling, generator=generator, **options)
-                yield from zip(buf, found)
-            return
-        for pairs in chunks(_paired(lines, prefix), chunk):
-            buf = [x for x, _ in pairs]
+        pairs = ((_line(x), "") for x in lines) if prefix is None else _paired(lines, prefix)
+        for buf in chunks(pairs, chunk):
+            texts, prefixes = [x for x, _ in buf], [p for _, p in buf]
             found = self.translate(
-                buf,
-                sampling=sampling,
-                generator=generator,
-                prefix=[p for _, p in pairs],
-                **options,
+                texts, sampling=sampling, generator=generator, prefix=prefixes, **options
             )
-            yield from zip(buf, found)
+            yield from zip(texts, found)
 
     # ----------------------------------------------------------------------------------- scoring
 
@@ -266,13 +256,13 @@ class Translator:
 
     # --------------------------------------------------------------------------------- internals
 
-    def _truncated(self, ids: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Sources cut to the model's positions (EOS takes the last), with one warning: the one
-        place that truncates, for both engines."""
+    def _truncated(self, ids: Sequence[Sequence[int]], what: str = "input line") -> list[list[int]]:
+        """Sources (or target prefixes) cut to the model's positions, EOS taking the last, with one
+        warning: the one place that truncates, for both engines."""
         limit = self.max_positions - 1
         too_long = sum(len(x) > limit for x in ids)
         if too_long:
-            log.warning("%d input line(s) longer than %d tokens were truncated", too_long, limit)
+            log.warning("%d %s(s) longer than %d tokens were truncated", too_long, what, limit)
         return [list(x[:limit]) for x in ids]
 
     @staticmethod
@@ -297,24 +287,27 @@ class Translator:
         return typed if any(typed) else None
 
     def _prefix_ids(self, typed: list[str]) -> list[list[int]]:
-        """Target ids of each prefix, cut to max_positions - 1 (with one warning): the output
-        budget always has room for the prefix and EOS."""
-        ids = self.tokenizer.encode_tgt(typed)
-        limit = self.max_positions - 1
-        too_long = sum(len(x) > limit for x in ids)
-        if too_long:
-            log.warning("%d prefix(es) longer than %d tokens were truncated", too_long, limit)
-        return [x[:limit] for x in ids]
+        """Target ids of each prefix, cut like sources: the output budget always has room for the
+        prefix and EOS."""
+        return self._truncated(self.tokenizer.encode_tgt(typed), "prefix")
+
+    def _shown_prefixes(
+        self, typed: list[str], ids: list[list[int]]
+    ) -> list[tuple[list[int], str, str] | None]:
+        """Per line: its prefix's ids, their detokenized text and the text as typed (None without
+        a prefix), decoded once for the line's n-best list."""
+        decoded = self.tokenizer.decode_tgt(ids)
+        return [(p, d, t) if p else None for p, d, t in zip(ids, decoded, typed)]
 
     def _translation(
-        self, h: Hypothesis, typed: str | None = None, prefix: list[int] | None = None
+        self, h: Hypothesis, prefix: tuple[list[int], str, str] | None = None
     ) -> Translation:
         """A hypothesis as text and pieces; a prefix, when it has one, is shown as it was typed
         (where detokenizing would change it: normalised spaces, unknown characters)."""
         text = self.tokenizer.decode_tgt([h.tokens])[0]
-        if typed and prefix and h.tokens[: len(prefix)] == prefix:
-            decoded = self.tokenizer.decode_tgt([prefix])[0]
-            if text.startswith(decoded):
+        if prefix is not None:
+            ids, decoded, typed = prefix
+            if h.tokens[: len(ids)] == ids and text.startswith(decoded):
                 text = typed + text[len(decoded) :]
         pieces = self.tokenizer.tgt.id_to_piece(h.tokens)
         return Translation(text, pieces, h.logprob, h.score, h.token_logprobs)

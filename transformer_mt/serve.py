@@ -577,25 +577,26 @@ def translate_work(
     """(steps, decoding steps) of each line: beam x its output budget (search.max_output_len's, of
     the source as translate cuts it, at least a target prefix's pieces + 1), plus the n-best's
     teacher-forced passes when attention or alignment is asked for."""
+    import torch
+
+    from .search import max_output_len
+
     a, b = options["max_len"]
     top = translator.max_positions
     rows = options["beam"] + (
         options["nbest"] if options["attention"] or options["alignment"] else 0
     )
+    ids = translator.tokenizer.encode_src([line.strip() for line in lines])
+    sources = [min(len(x), top - 1) + 1 for x in ids]
     prefix = options.get("prefix")
     room = (
-        [len(p) + 1 for p in translator.tokenizer.encode_tgt(prefix)]
-        if prefix
-        else [0] * len(lines)
+        None
+        if not prefix
+        else torch.tensor([len(p) for p in translator.tokenizer.encode_tgt(prefix)])
     )
-    work, steps = [], []
-    for ids, least in zip(translator.tokenizer.encode_src([line.strip() for line in lines]), room):
-        source = min(len(ids), top - 1) + 1
-        # an empty line is not searched
-        budget = min(max(1, least, math.floor(source * a + b)), top) if ids else 0
-        work.append(line_work(source, rows, budget))
-        steps.append(budget)
-    return work, steps
+    budgets = max_output_len(torch.tensor(sources), a, b, top, room).tolist()
+    steps = [budget if x else 0 for x, budget in zip(ids, budgets)]  # an empty line: no search
+    return [line_work(s, rows, n) for s, n in zip(sources, steps)], steps
 
 
 def score_work(

@@ -157,11 +157,11 @@ class Trainer:
         self.tokenizer, self.data = prepare_run(cfg, self.run_dir, self.dist, parent)
         self.batches = EpochBatches(self.data, tc, self.dist.rank, self.dist.world)
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
-        self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # raw: BLEU's
+        self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # raw text, for BLEU
         self.model = build_model(cfg, self.tokenizer, parent).to(self.device)
         self.precision = set_up_precision(self.model, tc, self.dist, self.device, resumed)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
-        self.state, self.writer = TrainState(), NullWriter()  # the log opens in _start
+        self.state, self.writer = TrainState(), NullWriter()  # the event log opens in _start
         self.optimizer, self.scheduler = build_optimizer(
             self.model,
             tc,
@@ -238,7 +238,7 @@ class Trainer:
     def _step(self, pairs: list[tuple[Batch, int]], meter: Meter, bar: tqdm) -> None:
         """One update over the accumulated (batch, all ranks' target tokens) pairs, counted."""
         micro, tokens = [b for b, _ in pairs], sum(n for _, n in pairs)
-        flops = sum(self.model.train_flops(b.src, b.tgt_out) for b in micro)  # host: no sync
+        flops = sum(self.model.train_flops(b.src, b.tgt_out) for b in micro)  # on the host: no sync
         meter.add(self.train_step(micro, tokens), tokens, flops)
         self.state.step += 1
         self.state.target_tokens += tokens
