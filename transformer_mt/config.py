@@ -26,6 +26,25 @@ class ConfigError(UserError):
 
 
 @dataclass
+class SubwordSampling:
+    """Subword regularisation (Kudo, 2018), section `data.subword_sampling`: every epoch draws each
+    training sentence's segmentation (both sides) from its `nbest` best under the unigram model,
+    with probability proportional to P(segmentation)^alpha. nbest 0 (the default) keeps the one
+    best segmentation; validation and decoding always use the best one."""
+
+    nbest: int = 0  # candidates per sentence; 0 = off
+    alpha: float = 0.3  # smaller: closer to uniform over the n best; larger: closer to the 1-best
+
+    def __post_init__(self) -> None:
+        _check(
+            self.nbest == 0 or self.nbest >= 2,
+            "data.subword_sampling.nbest",
+            f"must be 0 (off) or >= 2, got {self.nbest}",
+        )
+        _check(self.alpha > 0, "data.subword_sampling.alpha", f"must be > 0, got {self.alpha}")
+
+
+@dataclass
 class DataConfig:
     """Where the parallel corpus comes from (section `data`)."""
 
@@ -52,6 +71,8 @@ class DataConfig:
     invalid_utf8: Literal["error", "replace"] = "error"
     # tokenized-corpus cache shared by runs; default $TMT_CACHE, ~/.cache/transformer_mt
     cache_dir: Optional[str] = None
+    # training only: a new segmentation of every training sentence each epoch (unigram tokenizers)
+    subword_sampling: SubwordSampling = field(default_factory=SubwordSampling)
 
     def __post_init__(self) -> None:
         _check(
@@ -281,6 +302,12 @@ class Config:
             "data.max_len",
             f"({self.data.max_len}) + 1 must be <= model.max_positions "
             f"({self.model.max_positions}): lower data.max_len or raise model.max_positions",
+        )
+        _check(
+            not self.data.subword_sampling.nbest or self.tokenizer.type == "unigram",
+            "data.subword_sampling.nbest",
+            f"needs tokenizer.type unigram (a {self.tokenizer.type} model has no n-best "
+            "segmentations to sample from)",
         )
 
     def to_dict(self) -> dict[str, Any]:

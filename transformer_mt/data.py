@@ -551,14 +551,22 @@ def prepare_tokenizer(cfg: Config, run_dir: Path) -> Tokenizer:
     return tok
 
 
+class EpochSegmentations(Protocol):
+    """The training corpus as one epoch sees it (segmentations.SampledSegmentations)."""
+
+    def corpus(self, epoch: int) -> TokenizedCorpus: ...
+
+
 @dataclass
 class TrainingData:
-    """The tokenized splits and the pairs of each that the loop uses."""
+    """The tokenized splits and the pairs of each that the loop uses; with subword sampling, the
+    training pairs' segmentation of each epoch (`train` keeps the best one of each)."""
 
     train: TokenizedCorpus
     train_idx: np.ndarray
     valid: TokenizedCorpus | None = None
     valid_idx: np.ndarray | None = None
+    segmentations: EpochSegmentations | None = None
 
 
 def prepare_data(cfg: Config, tokenizer: Tokenizer) -> TrainingData:
@@ -671,14 +679,23 @@ class EpochBatches:
 
     def __init__(self, data: TrainingData, tc: TrainConfig, rank: int = 0, world: int = 1):
         self.data, self.tc, self.rank, self.world = data, tc, rank, world
+        self._segmented: tuple[int, TokenizedCorpus] | None = None
+
+    def corpus(self, epoch: int) -> TokenizedCorpus:
+        """The training corpus of one epoch: segmented anew each epoch under subword sampling."""
+        if self.data.segmentations is None:
+            return self.data.train
+        if self._segmented is None or self._segmented[0] != epoch:
+            self._segmented = (epoch, self.data.segmentations.corpus(epoch))
+        return self._segmented[1]
 
     def epoch(self, epoch: int) -> list[np.ndarray]:
         """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of
         the world size; rank r takes batches r, r + world, r + 2*world, ..."""
-        idx, world = self.data.train_idx, self.world
+        idx, world, corpus = self.data.train_idx, self.world, self.corpus(epoch)
         batches = make_batches(
-            self.data.train.src_lens[idx],
-            self.data.train.tgt_lens[idx],
+            corpus.src_lens[idx],
+            corpus.tgt_lens[idx],
             self.tc.max_tokens,
             seed=self.tc.seed,
             epoch=epoch,
@@ -688,15 +705,17 @@ class EpochBatches:
     def stream(self, position: EpochPosition) -> Iterator[tuple[Batch, int]]:
         """Endless stream of (this rank's batch, target tokens of that batch summed over all ranks)
         from `position`, which it advances (batch_in_epoch counts this rank's batches)."""
-        tgt_lens, world = self.data.train.tgt_lens, self.world
+        world = self.world
         while position.epoch <= self.tc.max_epochs:
             batches = self.epoch(position.epoch)
+            corpus = self.corpus(position.epoch)
+            tgt_lens = corpus.tgt_lens
             while position.batch_in_epoch < len(batches) // world:
                 j = position.batch_in_epoch * world
                 group = batches[j : j + world]  # this step's batches of every rank
                 position.batch_in_epoch += 1
                 yield (
-                    collate(self.data.train, group[self.rank]),
+                    collate(corpus, group[self.rank]),
                     sum(int(tgt_lens[b].sum()) + len(b) for b in group),
                 )
             position.epoch += 1

@@ -36,6 +36,7 @@ from .runtime import (
     pick_device,
     training_precision,
 )
+from .segmentations import sampled_segmentations
 from .tokenizer import Tokenizer
 from .vocab import UNK
 
@@ -45,9 +46,10 @@ log = logging.getLogger("transformer_mt")
 def prepare_run(
     cfg: Config, run_dir: Path, d: Dist, parent: Parent | None = None
 ) -> tuple[Tokenizer, TrainingData]:
-    """The run directory with its config, the tokenizer and the tokenized data. Rank 0 trains the
-    tokenizer and fills the cache; the other ranks then read them. A fine-tuning run (`parent`)
-    takes its parent's SentencePiece model(s) and tokenizer section as they are."""
+    """The run directory with its config, the tokenizer and the tokenized data (with the n best
+    segmentations of each training pair under subword sampling). Rank 0 trains the tokenizer and
+    fills the cache; the other ranks then read them. A fine-tuning run (`parent`) takes its
+    parent's SentencePiece model(s) and tokenizer section as they are."""
     if parent is not None:
         adopt_tokenizer_config(cfg, parent)
     with rank_zero_first(d):
@@ -60,6 +62,8 @@ def prepare_run(
         data = prepare_data(cfg, tokenizer)
     if parent is not None and d.main:
         log_unknown_share(data)
+    # every rank draws the same segmentations: no need to wait for rank 0
+    data.segmentations = sampled_segmentations(cfg, tokenizer)
     return tokenizer, data
 
 

@@ -63,6 +63,22 @@ class Tokenizer:
     def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
         return self.tgt.encode(list(lines), num_threads=_THREADS)
 
+    def nbest(
+        self, lines: Sequence[str], n: int, side: str = "src"
+    ) -> list[list[tuple[float, list[int]]]]:
+        """The `n` best segmentations of each line under the unigram model of `side` ("src" or
+        "tgt"), best first, as (log-probability, ids); a line with none (empty) gets its one
+        ordinary encoding."""
+        proc = self.src if side == "src" else self.tgt
+        try:
+            found = proc.nbest_encode(list(lines), nbest_size=n, return_type="proto")
+        except RuntimeError as e:  # a BPE model: SentencePiece has no n-best for it
+            raise UserError(f"subword sampling needs a unigram SentencePiece model: {e}") from None
+        return [
+            [(c.score, [p.id for p in c.pieces]) for c in one.nbests] or [(0.0, proc.encode(line))]
+            for line, one in zip(lines, found)
+        ]
+
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
         # SentencePiece gives "" for []
         return self.tgt.decode([list(x) for x in ids]) if len(ids) else []
