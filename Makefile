@@ -40,18 +40,21 @@ test-browser: install
 	  { apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 	$(PY) -m pytest -q -m browser
 
-# Speed side by side with the peers (../shared/peers, optional), serving under load, and `make demo` from a fresh
-# clone with AVX2 kernels only -> BENCHMARKS.md, bench*.json.
+# Speed side by side with the peers (../shared/peers, optional), natively and with AVX2 kernels only,
+# serving under load, and `make demo` from a fresh clone with AVX2 kernels only -> BENCHMARKS.md,
+# bench*.json.
 bench: install
-	$(PY) -m scripts.bench
+	$(PY) -m scripts.bench --avx2
 	$(PY) -m scripts.bench_serve
 	$(PY) -m scripts.soak_serve
 	$(PY) -m scripts.bench_allocator
 	$(PY) -m scripts.bench_demo --avx2
 
-# The Multi30k recipe end to end (about an hour) and a 20-minute budget race with fairseq.
+# The Multi30k recipe end to end (about an hour), again with AVX2 kernels only, and a 20-minute
+# budget race with fairseq.
 bench-quality: install
 	$(PY) -m scripts.bench_quality --budget 20 --fp32-steps 600
+	$(PY) -m scripts.bench_quality --avx2
 	$(PY) -m scripts.bench_finetune
 
 # The README's figures, drawn by the code: the demo model's attention (run `make demo` first) and

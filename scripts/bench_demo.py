@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 
 from scripts.benchlib import (
+    AVX2_ONLY,
     BENCHMARKS,
     ROOT,
+    avx2_description,
     cpu_bf16,
     cpu_model,
     md_table,
@@ -36,11 +38,6 @@ from scripts.benchlib import (
     write_section,
 )
 
-AVX2_ONLY = {
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-}
 TARGETS = {"bleu": 90.0, "seconds": 300.0, "complete": 5}
 
 
@@ -108,11 +105,7 @@ def write_report(res: dict, path: Path) -> str:
     met = "; ".join(
         f"{t}: {'met' if ok else '**not met**'}" for t, ok in res["targets_met"].items()
     )
-    kernels = (
-        "AVX2 kernels only (" + ", ".join(f"{k}={v}" for k, v in AVX2_ONLY.items()) + ")"
-        if res["avx2"]
-        else "the CPU's own kernels"
-    )
+    kernels = avx2_description() if res["avx2"] else "the CPU's own kernels"
     command = res.get("command", "make demo")
     venv = "; a new .venv from the pip cache" if command == "make demo" else ""
     return write_section(

@@ -10,8 +10,11 @@ fairseq, into the `quality` section of BENCHMARKS.md and bench_quality.json.
   precision  (--fp32-steps N) when the recipe trained in bf16, the recipe in fp32 for N steps:
              validation BLEU against the recipe run's at the same steps.
 
+  --avx2     the recipe with AVX2 kernels only (benchlib.AVX2_ONLY), approximating an AVX2-only
+             CPU on a bigger one: the section's second row, its own run directory (…_avx2).
+
 usage: python -m scripts.bench_quality [--recipe CONFIG] [--budget MINUTES] [--fp32-steps N]
-       [--skip-recipe] [--report-only]
+       [--avx2] [--skip-recipe] [--report-only]
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import torch
 import yaml
 
 from scripts.benchlib import (
+    AVX2_ONLY,
     BENCHMARKS,
     MULTI30K,
     PEERS_DIR,
     ROOT,
     TEST_PREFIX,
     TMT,
+    avx2_description,
     cpu_model,
     evaluate_checkpoint,
     logger,
@@ -43,6 +48,7 @@ from scripts.benchlib import (
     now,
     peers_ready,
     read_json,
+    reported_flags,
     run_peer,
     src_ref_files,
     tb_scalars,
@@ -284,6 +290,7 @@ def precision_check(
 
 
 RECIPE_KEYS = [
+    ("data", "subword_sampling"),
     ("model", "d_model"),
     ("model", "encoder_layers"),
     ("model", "d_ff"),
@@ -306,16 +313,24 @@ RESULT_KEYS = ["trained_precision", "steps", "train_minutes", "evaluated", "beam
 RESULT_KEYS += ["tokenized_bleu", "chrf"]
 
 
-def record_experiment(res: dict, config: str, run_dir: Path, history: Path) -> None:
-    """Append the recipe run (its settings and scores) to res["history"] and write the history
-    table into `history` (docs/multi30k.md's `experiments` section)."""
+def setting(value: object) -> object:
+    """A config value as the history table shows it: subword sampling in a few words."""
+    if isinstance(value, dict) and "nbest" in value:
+        return f"{value['nbest']}-best, α {value['alpha']:g}" if value["nbest"] else "off"
+    return value
+
+
+def record_experiment(res: dict, key: str, config: str, run_dir: Path, history: Path) -> None:
+    """Append the recipe run res[key] (its settings and scores) to res["history"] and write the
+    history table into `history` (docs/multi30k.md's `experiments` section)."""
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    run = res[key]
     entry = {
         "date": res["date"],
         "config": config,
-        "cpu": res.get("cpu", ""),
-        **{f"{a}.{b}": cfg[a].get(b, "") for a, b in RECIPE_KEYS},
-        **{k: res["recipe"].get(k, "") for k in RESULT_KEYS},
+        "cpu": res.get("cpu", "") + (" (AVX2 kernels)" if run.get("avx2") else ""),
+        **{f"{a}.{b}": setting(cfg[a].get(b, "")) for a, b in RECIPE_KEYS},
+        **{k: run.get(k, "") for k in RESULT_KEYS},
     }
     res["history"] = [h for h in res.get("history", []) if h["date"] != entry["date"]] + [entry]
     head = ["date", "cpu", *(f"{a}.{b}" for a, b in RECIPE_KEYS), *RESULT_KEYS]
@@ -352,8 +367,9 @@ def both_bleus(r: dict) -> str:
 def report(res: dict) -> list[str]:
     """The `quality` section's blocks, from the JSON alone."""
     blocks = ["## Quality (Multi30k En→De, test_2016_flickr, 1,000 sentences)"]
-    if "recipe" in res:
-        blocks += recipe_blocks(res)
+    for key in ("recipe", "recipe_avx2"):
+        if key in res:
+            blocks += recipe_blocks(res, res[key])
     if a := res.get("tokenization_agreement"):
         same = "; ".join(
             f"{s} {v['same']:,} of {v['lines']:,} lines identical" for s, v in a.items()
@@ -379,14 +395,17 @@ def report(res: dict) -> list[str]:
     return blocks
 
 
-def recipe_blocks(res: dict) -> list[str]:
-    r = res["recipe"]
+def recipe_blocks(res: dict, r: dict) -> list[str]:
+    """One recipe run's blocks: where and how it ran, its scores, BLEU on the way."""
     row = (f"{r['bleu']:.2f}", f"{r['chrf']:.2f}", f"{r['ter']:.2f}", r["train_minutes"])
     row += (f"{r['steps']:,}", r["epochs"], f"{r['tgt_tok_per_s']:,}", r["sentences_per_second"])
     head = ["BLEU", "chrF", "TER", "training minutes", "steps", "epochs", "target tok/s"]
+    flags = f"; flags {', '.join(r['cpu_flags'])}" if r.get("cpu_flags") else ""
+    kernels = f", with {avx2_description()}" if r.get("avx2") else ""
     blocks = [
-        f"`tmt train {res['recipe_config']}` from a clean run directory on {res['date']} on "
-        f"**{res.get('cpu', 'an unrecorded CPU')}** ({res.get('cores', 2)} cores), trained in "
+        f"`tmt train {res['recipe_config']}` from a clean run directory on "
+        f"{r.get('date', res['date'])} on **{r.get('cpu', res.get('cpu', 'an unrecorded CPU'))}** "
+        f"({res.get('cores', 2)} cores{flags}){kernels}, trained in "
         f"{r.get('trained_precision', '?')}, then `tmt evaluate` with beam {r['beam']} on the "
         f"checkpoint the recipe selected ({r['evaluated']}).",
         md_table([*head, "decode sent/s"], [row], "rrrrrrrr"),
@@ -422,12 +441,17 @@ def budget_blocks(b: dict) -> list[str]:
             "scripts.bench_quality --budget 20` runs it like for like."
         ]
     m = f"{b['minutes']:g}"
+    when = (
+        f"on {b['date']} on {b['cpu']}"
+        if "date" in b
+        else "in an earlier run of this bench (its date and CPU were not recorded then)"
+    )
     blocks = [
         f"### Equal budget: {m} minutes of training, the same model and regularisation",
         "Both toolkits train the peers' model and schedule (3+3 layers, d 256, FFN 1024, "
         "pre-norm, tied embeddings, dropout 0.1 on residuals, attention and activations, 200 "
         f"warm-up updates to a 1e-3 peak, seed 42) for {m} minutes from launch, set-up included, "
-        f"one after the other on the same machine: ours with `{' '.join(BUDGET_SETTINGS)} "
+        f"one after the other on the same machine, {when}: ours with `{' '.join(BUDGET_SETTINGS)} "
         f"train.max_minutes={m}`, fairseq with `../shared/peers/budget.sh fairseq {m}`. Each is "
         "judged on its last checkpoint and on the one its own selection keeps (ours: best "
         "validation BLEU; fairseq: best validation loss). Beam 4, length penalty 1.0 by each "
@@ -482,6 +506,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also train the recipe in fp32 for N steps and compare its validation BLEU with the "
         "recipe run's (bf16) at the same steps",
     )
+    ap.add_argument(
+        "--avx2",
+        action="store_true",
+        help="train and evaluate the recipe with AVX2 kernels only (an AVX2-only CPU, "
+        "approximated): the quality section's second row",
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="every run")
     ap.add_argument("--test", type=Path, default=TEST_PREFIX, help="test set: PREFIX.en, PREFIX.de")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs", help="the budget and fp32 runs")
@@ -489,7 +519,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=ROOT / "bench_quality.json")
     ap.add_argument("--out", type=Path, default=BENCHMARKS)
     ap.add_argument("--report-only", action="store_true", help="rewrite --out from --json")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.avx2 and (args.budget or args.fp32_steps or args.skip_recipe):
+        ap.error("--avx2 runs the recipe alone: leave out --budget, --fp32-steps and --skip-recipe")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -503,20 +536,29 @@ def main(argv: list[str] | None = None) -> int:
         log(f"skipped: the test set {args.test} is not here (it ships in ../shared)")
         return 0
     res = read_json(args.json) if args.json.exists() else {}
+    if "recipe" in res:  # written before runs kept their own date and CPU: the file's were theirs
+        res["recipe"].setdefault("date", res.get("date"))
+        res["recipe"].setdefault("cpu", res.get("cpu"))
     res.update(date=now(), cpu=cpu_model(), cores=os.cpu_count())
     if (agreement := tokenization_agreement()) is not None:
         res["tokenization_agreement"] = agreement
     recipe_dir = ROOT / yaml.safe_load((ROOT / args.recipe).read_text())["output_dir"]
+    if args.avx2:  # every tmt this process starts inherits it
+        os.environ.update(AVX2_ONLY)
+        recipe_dir = recipe_dir.with_name(recipe_dir.name + "_avx2")
     if not args.skip_recipe:
         res["recipe_config"] = args.recipe
+        key = "recipe_avx2" if args.avx2 else "recipe"
         train = not args.evaluate_only
-        res["recipe"] = train_and_evaluate(args.recipe, recipe_dir, args.set, args.test, train)
-        record_experiment(res, args.recipe, recipe_dir, args.history)
-        log(f"recipe: BLEU {res['recipe']['bleu']} in {res['recipe']['train_minutes']} min")
+        run = train_and_evaluate(args.recipe, recipe_dir, args.set, args.test, train)
+        run.update(date=res["date"], cpu=res["cpu"], cpu_flags=reported_flags(), avx2=args.avx2)
+        res[key] = run
+        record_experiment(res, key, args.recipe, recipe_dir, args.history)
+        log(f"{key}: BLEU {run['bleu']} in {run['train_minutes']} min")
     if args.budget:
         run_dir = args.runs / f"budget_{args.budget:g}min"
         rows = budget_race(args.recipe, args.budget, run_dir, args.set, args.test)
-        res["budget"] = {"minutes": args.budget, "rows": rows}
+        res["budget"] = {"minutes": args.budget, "rows": rows, "date": now(), "cpu": cpu_model()}
     if args.fp32_steps:
         res.pop("precision", None)
         run_dir = args.runs / "precision_fp32"

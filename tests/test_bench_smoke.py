@@ -100,7 +100,7 @@ def outputs(tmp_path: Path, name: str) -> list[str]:
 def test_speed(tiny, tmp_path):
     data = [f"data.{s}={tiny.data}/{s}" for s in ("train", "valid", "test")]
     sets = [a for o in [*data, *TINY, f"output_dir={tmp_path / 'run'}"] for a in ("--set", o)]
-    small = ["--rounds", "1", "--steps", "10", "--warmup", "1", "--no-peers"]
+    small = ["--rounds", "1", "--steps", "10", "--warmup", "1", "--no-peers", "--avx2"]
     small += [
         "--matmul-seconds",
         "0.01",
@@ -124,6 +124,12 @@ def test_speed(tiny, tmp_path):
     for heading in ("## Speed", "### Training throughput", "### Tokens/s against batch size"):
         assert f"\n{heading}" in f"\n{text}"
     assert all(f"| {name} |" in text for name in contenders)
+    # --avx2: the fp32 rows again in a child that torch dispatched below AVX-512
+    avx2 = res["avx2"]
+    assert list(avx2["training"]) == ["ours_fp32", "reference_fp32"]
+    assert not avx2["kernels"].startswith("AVX512") and avx2["bf16_obstacle"]
+    assert "#### The same, with AVX2 kernels only" in text
+    assert "fairseq not measured" in text
 
 
 def test_decoding_engines(tiny, tmp_path):
@@ -286,3 +292,24 @@ def test_sweep(tiny, tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["tiny"]["steps"] == 2 and results["tiny"]["returncode"] == 0
     assert "| tiny | (none) | 2 |" in (tmp_path / "results.md").read_text()
+
+
+def test_quality_avx2_row(tiny, tmp_path, monkeypatch):
+    """--avx2: the recipe trains and is scored with AVX2 kernels only, in a run directory of its
+    own, and the section gains a second row that says so; the first row's run is left alone."""
+    for name in bench_quality.AVX2_ONLY:
+        monkeypatch.setenv(name, "")  # restored after the test: main() sets them for its children
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        tiny.config.read_text().replace(f"output_dir: {tiny.run}", f"output_dir: {tmp_path / 'r'}")
+    )
+    sets = [a for o in [*TINY, "train.max_steps=2"] for a in ("--set", o)]
+    argv = ["--recipe", str(recipe), "--test", f"{tiny.data}/test", "--avx2"]
+    argv += ["--history", str(tmp_path / "history.md")]
+    assert bench_quality.main([*argv, *sets, *outputs(tmp_path, "quality.json")]) == 0
+    res, md = written(tmp_path, "quality.json")
+    assert "recipe" not in res and res["recipe_avx2"]["avx2"] is True
+    assert res["recipe_avx2"]["steps"] == 2 and (tmp_path / "r_avx2" / "checkpoints").is_dir()
+    assert not (tmp_path / "r").exists()
+    assert "with AVX2 kernels only (ATEN_CPU_CAPABILITY=avx2" in section(md, "quality")
+    assert res["history"][-1]["cpu"].endswith("(AVX2 kernels)")

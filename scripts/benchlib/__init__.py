@@ -96,6 +96,20 @@ def write_section(path: str | Path, name: str, *blocks: str | None) -> str:
 
 # --------------------------------------------------------------------------- the machine
 
+# What approximates an AVX2-only CPU (an AMD EPYC without AVX-512) on a bigger one: torch's own
+# kernels, oneDNN's and MKL's capped at AVX2.
+AVX2_ONLY = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def avx2_description() -> str:
+    """How a report names the approximation."""
+    return "AVX2 kernels only (" + ", ".join(f"{k}={v}" for k, v in AVX2_ONLY.items()) + ")"
+
+
 # The flags a report names: what decides which kernels run (AVX2, AVX-512, bf16 in hardware).
 REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 
