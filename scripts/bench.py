@@ -372,10 +372,10 @@ def write_report(res: dict, path: Path) -> str:
         training_table(res),
         ceiling_paragraph(res),
         fastest_sentence(res),
-        *avx2_blocks(res),
         "Ratios window by window (the same batches, run one after the other), median over the "
         "windows: " + ", ".join(f"{k} {v:.2f}×" for k, v in res["window_ratios"].items()) + ".",
         f"Peak RSS of the bench process: {res['peak_rss_mb']:,.0f} MiB.",
+        *avx2_blocks(res),
         "### Tokens/s against batch size (ours, bf16)",
         scaling,
         "### Decoding cost against output length (KV cache, 16 sentences, greedy, forced length)",
@@ -508,7 +508,7 @@ def avx2_blocks(res: dict) -> list[str]:
 def avx2_verdict(ours: float, fs: float | None, flops: float, peak: float) -> str:
     """Ours fp32 against fairseq fp32 under AVX2 kernels, against the target, from the figures."""
     if not fs:
-        return "fairseq not measured (the peers kit is not set up): no ratio."
+        return "fairseq not measured (--no-peers, or the peers kit is not set up): no ratio."
     x = ours / fs
     text = f"With AVX2 kernels only, ours fp32 trains at {x:.2f}× fairseq fp32"
     if x >= TARGET_X_FAIRSEQ:
@@ -656,12 +656,31 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, fp32_training(args, cfg))
         return 0
     res = measure(args, cfg)
+    keep_earlier_decoding(res, Path(args.json))
     write_json(args.json, res)
     write_report(res, Path(args.out))
     log(f"wrote {args.out} and {args.json}")
     for k, v in res["training"].items():
         log(f"{k}: {v['tok_s']:,.0f} tgt tok/s")
     return 0
+
+
+DECODING_KEYS = ("decoding", "decoding_minutes", "decoding_date", "decoding_cpu")
+
+
+def keep_earlier_decoding(res: dict, json_path: Path) -> None:
+    """Without models to decode (make bench-quality's budget race not run on this machine), the
+    decoding table of the earlier --json is kept, under its own date and CPU, and a note says so."""
+    if res.get("decoding") or not json_path.exists():
+        return
+    earlier = read_json(json_path)
+    if earlier.get("decoding"):
+        res.update({k: earlier[k] for k in DECODING_KEYS if k in earlier})
+        res["notes"] = [n for n in res["notes"] if not n.startswith("decoding not compared")]
+        res["notes"].append(
+            f"the decoding table is the one measured on {earlier.get('decoding_date', '?')} on "
+            f"{earlier.get('decoding_cpu', '?')}: this run did not measure decoding"
+        )
 
 
 def decoding_comparison(minutes: int, rounds: int) -> dict:
@@ -767,7 +786,11 @@ def avx2_training(args: argparse.Namespace) -> dict | None:
         if subprocess.run(child, cwd=ROOT, env=env).returncode or not out.exists():
             log("the AVX2 child failed: no AVX2 rows")
             return None
-        return read_json(out)
+        res = read_json(out)
+    if res["kernels"].startswith("AVX512"):  # another torch build, which ignores the variable
+        log(f"the AVX2 child still ran {res['kernels']} kernels: no AVX2 rows")
+        return None
+    return res
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ fairseq, into the `quality` section of BENCHMARKS.md and bench_quality.json.
   precision  (--fp32-steps N) when the recipe trained in bf16, the recipe in fp32 for N steps:
              validation BLEU against the recipe run's at the same steps.
 
+  --variant  the recipe with --set changes, as an experiment: recorded in the history (its own
+             run directory, …_variant), the quality section's recipe row left as it is.
   --avx2     the recipe with AVX2 kernels only (benchlib.AVX2_ONLY), approximating an AVX2-only
              CPU on a bigger one: the section's second row, its own run directory (…_avx2).
 
 usage: python -m scripts.bench_quality [--recipe CONFIG] [--budget MINUTES] [--fp32-steps N]
-       [--avx2] [--skip-recipe] [--report-only]
+       [--avx2] [--variant] [--skip-recipe] [--report-only]
 """
 
 from __future__ import annotations
@@ -329,11 +331,17 @@ def record_experiment(res: dict, key: str, config: str, run_dir: Path, history: 
         "date": res["date"],
         "config": config,
         "cpu": res.get("cpu", "") + (" (AVX2 kernels)" if run.get("avx2") else ""),
+        "changes": run.get("changes", ""),
         **{f"{a}.{b}": setting(cfg[a].get(b, "")) for a, b in RECIPE_KEYS},
         **{k: run.get(k, "") for k in RESULT_KEYS},
     }
     res["history"] = [h for h in res.get("history", []) if h["date"] != entry["date"]] + [entry]
-    head = ["date", "cpu", *(f"{a}.{b}" for a, b in RECIPE_KEYS), *RESULT_KEYS]
+    write_history(res, history)
+
+
+def write_history(res: dict, history: Path) -> None:
+    """res["history"] as the table of docs/multi30k.md's `experiments` section."""
+    head = ["date", "cpu", "changes", *(f"{a}.{b}" for a, b in RECIPE_KEYS), *RESULT_KEYS]
     rows = [[e.get(h, "") for h in head] for e in res["history"]]
     write_section(history, "experiments", md_table([h.split(".")[-1] for h in head], rows))
 
@@ -403,9 +411,11 @@ def recipe_blocks(res: dict, r: dict) -> list[str]:
     flags = f"; flags {', '.join(r['cpu_flags'])}" if r.get("cpu_flags") else ""
     kernels = f", with {avx2_description()}" if r.get("avx2") else ""
     blocks = [
-        f"`tmt train {res['recipe_config']}` from a clean run directory on "
+        f"`tmt train {r.get('config', res.get('recipe_config'))}`"
+        + (f" with `--set {' --set '.join(r['changes'].split())}`" if r.get("changes") else "")
+        + " from a clean run directory on "
         f"{r.get('date', res['date'])} on **{r.get('cpu', res.get('cpu', 'an unrecorded CPU'))}** "
-        f"({res.get('cores', 2)} cores{flags}){kernels}, trained in "
+        f"({r.get('cores', res.get('cores', 2))} cores{flags}){kernels}, trained in "
         f"{r.get('trained_precision', '?')}, then `tmt evaluate` with beam {r['beam']} on the "
         f"checkpoint the recipe selected ({r['evaluated']}).",
         md_table([*head, "decode sent/s"], [row], "rrrrrrrr"),
@@ -512,6 +522,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="train and evaluate the recipe with AVX2 kernels only (an AVX2-only CPU, "
         "approximated): the quality section's second row",
     )
+    ap.add_argument(
+        "--variant",
+        action="store_true",
+        help="the recipe with --set changes as an experiment: into the history only",
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="every run")
     ap.add_argument("--test", type=Path, default=TEST_PREFIX, help="test set: PREFIX.en, PREFIX.de")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs", help="the budget and fp32 runs")
@@ -520,9 +535,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=BENCHMARKS)
     ap.add_argument("--report-only", action="store_true", help="rewrite --out from --json")
     args = ap.parse_args(argv)
-    if args.avx2 and (args.budget or args.fp32_steps or args.skip_recipe):
-        ap.error("--avx2 runs the recipe alone: leave out --budget, --fp32-steps and --skip-recipe")
+    for alone in ("avx2", "variant"):
+        if getattr(args, alone) and (args.budget or args.fp32_steps or args.skip_recipe):
+            ap.error(
+                f"--{alone} runs the recipe alone: leave out --budget, --fp32-steps and "
+                "--skip-recipe"
+            )
+    if args.variant and not args.set:
+        ap.error("--variant needs the --set changes it tries")
     return args
+
+
+def load_results(path: Path) -> dict:
+    """The JSON of earlier runs ({} at first)."""
+    res = read_json(path) if path.exists() else {}
+    if "recipe" in res:  # written before runs kept their own date and CPU: the file's were theirs
+        res["recipe"].setdefault("date", res.get("date"))
+        res["recipe"].setdefault("cpu", res.get("cpu"))
+    return res
+
+
+def recipe_run(args: argparse.Namespace, res: dict) -> Path:
+    """Train and score the recipe (as --avx2 or --variant say) into res, unless --skip-recipe;
+    the run directory."""
+    recipe_dir = ROOT / yaml.safe_load((ROOT / args.recipe).read_text())["output_dir"]
+    if args.avx2:  # every tmt this process starts inherits it
+        os.environ.update(AVX2_ONLY)
+        recipe_dir = recipe_dir.with_name(recipe_dir.name + "_avx2")
+    if args.variant:
+        recipe_dir = recipe_dir.with_name(recipe_dir.name + "_variant")
+    if args.skip_recipe:
+        return recipe_dir
+    key = "variant" if args.variant else "recipe_avx2" if args.avx2 else "recipe"
+    run = train_and_evaluate(args.recipe, recipe_dir, args.set, args.test, not args.evaluate_only)
+    run.update(date=res["date"], cpu=res["cpu"], cpu_flags=reported_flags(), avx2=args.avx2)
+    run.update(cores=os.cpu_count(), config=args.recipe, changes=" ".join(args.set))
+    res[key] = run
+    record_experiment(res, key, args.recipe, recipe_dir, args.history)
+    log(f"{key}: BLEU {run['bleu']} in {run['train_minutes']} min")
+    return recipe_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,26 +586,11 @@ def main(argv: list[str] | None = None) -> int:
     except DataError:
         log(f"skipped: the test set {args.test} is not here (it ships in ../shared)")
         return 0
-    res = read_json(args.json) if args.json.exists() else {}
-    if "recipe" in res:  # written before runs kept their own date and CPU: the file's were theirs
-        res["recipe"].setdefault("date", res.get("date"))
-        res["recipe"].setdefault("cpu", res.get("cpu"))
+    res = load_results(args.json)
     res.update(date=now(), cpu=cpu_model(), cores=os.cpu_count())
     if (agreement := tokenization_agreement()) is not None:
         res["tokenization_agreement"] = agreement
-    recipe_dir = ROOT / yaml.safe_load((ROOT / args.recipe).read_text())["output_dir"]
-    if args.avx2:  # every tmt this process starts inherits it
-        os.environ.update(AVX2_ONLY)
-        recipe_dir = recipe_dir.with_name(recipe_dir.name + "_avx2")
-    if not args.skip_recipe:
-        res["recipe_config"] = args.recipe
-        key = "recipe_avx2" if args.avx2 else "recipe"
-        train = not args.evaluate_only
-        run = train_and_evaluate(args.recipe, recipe_dir, args.set, args.test, train)
-        run.update(date=res["date"], cpu=res["cpu"], cpu_flags=reported_flags(), avx2=args.avx2)
-        res[key] = run
-        record_experiment(res, key, args.recipe, recipe_dir, args.history)
-        log(f"{key}: BLEU {run['bleu']} in {run['train_minutes']} min")
+    recipe_dir = recipe_run(args, res)
     if args.budget:
         run_dir = args.runs / f"budget_{args.budget:g}min"
         rows = budget_race(args.recipe, args.budget, run_dir, args.set, args.test)

@@ -313,3 +313,46 @@ def test_quality_avx2_row(tiny, tmp_path, monkeypatch):
     assert not (tmp_path / "r").exists()
     assert "with AVX2 kernels only (ATEN_CPU_CAPABILITY=avx2" in section(md, "quality")
     assert res["history"][-1]["cpu"].endswith("(AVX2 kernels)")
+
+
+def test_speed_keeps_an_earlier_decoding_table_under_its_own_date(tmp_path):
+    earlier = {"decoding": {"fairseq": {"sent_s": 1.0}}, "decoding_date": "D", "decoding_cpu": "C"}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(earlier))
+    res = {"notes": ["decoding not compared: run `make bench-quality` first"]}
+    bench.keep_earlier_decoding(res, path)
+    assert res["decoding"] == earlier["decoding"] and res["decoding_cpu"] == "C"
+    assert res["notes"] == [
+        "the decoding table is the one measured on D on C: this run did not measure decoding"
+    ]
+    fresh = {"decoding": {"x": 1}, "notes": []}
+    bench.keep_earlier_decoding(fresh, path)
+    assert fresh == {"decoding": {"x": 1}, "notes": []}
+
+
+def test_quality_variant_goes_to_the_history_only(tiny, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        tiny.config.read_text().replace(f"output_dir: {tiny.run}", f"output_dir: {tmp_path / 'r'}")
+    )
+    sets = [a for o in [*TINY, "train.max_steps=2"] for a in ("--set", o)]
+    sets += ["--set", "data.subword_sampling.nbest=4"]
+    argv = ["--recipe", str(recipe), "--test", f"{tiny.data}/test", "--variant"]
+    argv += ["--history", str(tmp_path / "history.md")]
+    # the recipe's own result, as an earlier run left it: the variant must leave it alone
+    earlier = {"recipe_config": "configs/recipe.yaml", "date": "D", "cpu": "C"}
+    earlier["recipe"] = {"bleu": 41.0, "chrf": 65.0, "ter": 44.0, "train_minutes": 59.0}
+    earlier["recipe"] |= {"steps": 10, "epochs": 1, "tgt_tok_per_s": 5, "sentences_per_second": 1}
+    earlier["recipe"] |= {"beam": 5, "evaluated": "best.pt", "bleu_signature": "S"}
+    earlier["recipe"] |= {"chrf_signature": "S", "ter_signature": "S"}
+    (tmp_path / "quality.json").write_text(json.dumps(earlier))
+    assert bench_quality.main([*argv, *sets, *outputs(tmp_path, "quality.json")]) == 0
+    res, md = written(tmp_path, "quality.json")
+    assert res["recipe"] == {**earlier["recipe"], "date": "D", "cpu": "C"}
+    assert res["variant"]["steps"] == 2 and (tmp_path / "r_variant" / "checkpoints").is_dir()
+    text = section(md, "quality")
+    assert "`tmt train configs/recipe.yaml` from a clean run directory on D on **C**" in text
+    assert "| 41.00 | 65.00 |" in text and "with `--set" not in text  # the variant is not shown
+    history = section((tmp_path / "history.md").read_text(), "experiments")
+    assert "| 4-best, α 0.3 |" in history.splitlines()[-1]
+    assert "data.subword_sampling.nbest=4" in history.splitlines()[-1]  # the changes column

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
 from transformer_mt.config import (
     ConfigError,
@@ -16,7 +17,7 @@ from transformer_mt.config import (
     TrainConfig,
     config_from_dict,
 )
-from transformer_mt.data import EpochBatches, TrainingData, load_tokenized
+from transformer_mt.data import EpochBatches, TrainingData, collate, load_tokenized
 from transformer_mt.errors import UserError
 from transformer_mt.segmentations import NBest, SampledSegmentations, sampled_segmentations
 from transformer_mt.tokenizer import train_tokenizer
@@ -32,11 +33,12 @@ def unigram(sentences):
 def test_nbest_gives_the_ordinary_encoding_first_and_only_spellings_of_the_line(unigram, sentences):
     lines = [*sentences(20, seed=7), ""]
     found = unigram.nbest(lines, 8, "src")
-    assert [c[0][1] for c in found] == unigram.encode_src(lines)
+    assert [c[0] for c in found] == unigram.encode_src(lines)
+    log_probs = unigram.piece_log_probs("src")
     for line, cands in zip(lines, found):
-        scores = [score for score, _ in cands]
-        assert scores == sorted(scores, reverse=True)
-        assert {unigram.src.decode(ids) for _, ids in cands} == {line}
+        scores = [log_probs[ids].sum() for ids in cands]
+        assert all(a >= b - 1e-3 for a, b in zip(scores, scores[1:]))  # best first
+        assert {unigram.src.decode(ids) for ids in cands} == {line}
     assert sum(len(c) for c in found[:-1]) > 2 * 20  # the words have other segmentations
 
 
@@ -47,35 +49,50 @@ def test_a_bpe_model_has_no_nbest_to_sample(sentences):
         bpe.nbest(lines[:3], 4, "src")
 
 
+LOG_PROBS = -0.1 * np.arange(10)  # piece i: log-probability -0.1 i
+
+
 def test_build_weights_candidates_by_probability_to_the_alpha_and_drops_long_ones():
     per_line = [
-        [(-1.0, [5, 6]), (-2.0, [5, 7, 8]), (-3.0, [9, 9, 9, 9])],
-        [(-4.0, [1, 2, 3, 4, 5])],  # longer than max_len, but the best one always stays
+        [[5, 6], [5, 7, 8], [9, 9, 9, 9]],  # log P -1.1, -2.0, and one longer than max_len
+        [[1, 2, 3, 4, 5]],  # longer than max_len, but the best one always stays
     ]
-    nb = NBest.build(per_line, alpha=0.5, max_len=3)
+    nb = NBest.build(per_line, LOG_PROBS, alpha=0.5, max_len=3)
     assert nb.first.tolist() == [0, 2, 3]
-    expected = np.exp([-0.5, -1.0]) / np.exp([-0.5, -1.0]).sum()  # P^0.5, the third left out
+    expected = np.exp([-0.55, -1.0]) / np.exp([-0.55, -1.0]).sum()  # P^0.5, normalised
     assert nb.prob[:2] == pytest.approx(expected)
     assert nb.prob[2] == 1.0
     assert nb.gather(np.array([1, 2]))[0].tolist() == [5, 7, 8, 1, 2, 3, 4, 5]
     assert nb.gather(np.array([1, 2]))[1].tolist() == [0, 3, 8]
     assert nb.best_share() == pytest.approx((expected[0] + 1.0) / 2)
+    halves = NBest.concat(
+        [NBest.build(p, LOG_PROBS, 0.5, 3) for p in ([per_line[0]], [per_line[1]])]
+    )
+    assert all(np.array_equal(getattr(halves, k), getattr(nb, k)) for k in vars(nb))
 
 
-def test_draws_follow_the_probabilities():
-    per_line = [[(-1.0, [1]), (-2.0, [2]), (-4.0, [3])]] * 20_000
-    nb = NBest.build(per_line, alpha=1.0, max_len=10)
-    chosen = nb.draw(np.random.default_rng(0)) - nb.first[:-1]
-    p = np.exp([-1.0, -2.0, -4.0]) / np.exp([-1.0, -2.0, -4.0]).sum()
-    freq = np.bincount(chosen, minlength=3) / len(chosen)
-    # within 5 standard errors of a binomial share: wrong weighting is far outside
-    assert (np.abs(freq - p) < 5 * np.sqrt(p * (1 - p) / len(chosen))).all()
+def test_draws_follow_the_probabilities_and_stay_within_each_sentence():
+    # sentences of 1, 3 and 5 candidates (one piece each: log P is the piece's)
+    shapes = [[[0]], [[1], [3], [6]], [[2], [4], [5], [7], [9]]]
+    nb = NBest.build(shapes * 5000, LOG_PROBS, alpha=4.0, max_len=10)
+    chosen = nb.draw(np.random.default_rng(0))
+    assert ((chosen >= nb.first[:-1]) & (chosen < nb.first[1:])).all()
+    for k, cands in enumerate(shapes):
+        p = np.exp(4.0 * LOG_PROBS[[c[0] for c in cands]])
+        p /= p.sum()
+        within = chosen[k::3] - nb.first[:-1][k::3]
+        freq = np.bincount(within, minlength=len(cands)) / len(within)
+        # within 5 standard errors of a binomial share: a wrong weighting is far outside
+        assert (np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / len(within)) + 1e-12).all()
 
 
 def test_an_epoch_is_a_pure_function_of_seed_and_epoch(unigram, sentences):
     lines = sentences(50, seed=3)
     # the toy model's best segmentation is far ahead: a small alpha draws the others too
-    sides = [NBest.build(unigram.nbest(lines, 8, s), 0.05, 100) for s in ("src", "tgt")]
+    sides = [
+        NBest.build(unigram.nbest(lines, 8, s), unigram.piece_log_probs(s), 0.05, 100)
+        for s in ("src", "tgt")
+    ]
     a, b = SampledSegmentations(*sides, seed=1), SampledSegmentations(*sides, seed=1)
     assert np.array_equal(a.corpus(4).src_ids, b.corpus(4).src_ids)
     assert not np.array_equal(a.corpus(4).src_ids, a.corpus(5).src_ids)
@@ -153,14 +170,33 @@ def test_config_default_is_off_and_a_yaml_section_sets_it():
     assert math.isclose(cfg.to_dict()["data"]["subword_sampling"]["alpha"], 0.5)
 
 
-def test_a_run_trains_with_sampling_on_and_records_it(make_tiny_run):
-    import torch
-    import yaml
+def test_a_run_trains_on_each_epochs_segmentation(copy_config):
+    from transformer_mt.config import SubwordSampling
+    from transformer_mt.train import Trainer
 
-    run = make_tiny_run(
-        data={"subword_sampling": {"nbest": 4, "alpha": 0.1}}, train={"max_steps": 40}
-    )
-    saved = yaml.safe_load((run.dir / "config.yaml").read_text())
-    assert saved["data"]["subword_sampling"] == {"nbest": 4, "alpha": 0.1}
-    state = torch.load(run.dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]
-    assert state["step"] == 40
+    cfg = copy_config(max_steps=3)
+    cfg.data.subword_sampling = SubwordSampling(nbest=8, alpha=0.05)
+    trainer = Trainer(cfg)
+    best, first = trainer.data.train, trainer.batches.corpus(1)
+    differ = [i for i in range(len(best)) if not np.array_equal(best.src(i), first.src(i))]
+    assert differ  # epoch 1 is not the best segmentation everywhere ...
+    decode = trainer.tokenizer.src.decode
+    assert all(decode(first.src(i).tolist()) == decode(best.src(i).tolist()) for i in differ)
+    batch, tokens = next(trainer.batches.stream(trainer.state))
+    expected = collate(first, trainer.batches.epoch(1)[0])  # ... and batches are cut from it
+    assert torch.equal(batch.src, expected.src) and tokens == expected.n_tgt_tokens
+    assert trainer.train() is not None and trainer.state.step == 3
+
+
+def test_init_from_a_bpe_parent_with_sampling_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from transformer_mt.prepare import adopt_tokenizer_config
+
+    cfg = config_from_dict({"data": {"subword_sampling": {"nbest": 4}}})
+    parent = SimpleNamespace(config=SimpleNamespace(tokenizer=TokenizerConfig(type="bpe")))
+    with pytest.raises(UserError, match="parent's tokenizer is bpe.*subword_sampling.nbest: 0"):
+        adopt_tokenizer_config(cfg, parent)
+    unigram_parent = SimpleNamespace(config=SimpleNamespace(tokenizer=TokenizerConfig()))
+    adopt_tokenizer_config(cfg, unigram_parent)
+    assert cfg.tokenizer.type == "unigram"

@@ -68,12 +68,18 @@ def prepare_run(
 
 
 def adopt_tokenizer_config(cfg: Config, parent: Parent) -> None:
-    """The tokenizer section becomes the parent's: its vocabulary is used, none is trained."""
+    """The tokenizer section becomes the parent's: its vocabulary is used, none is trained (and
+    subword sampling needs it to be a unigram model)."""
     if cfg.tokenizer != parent.config.tokenizer:
         log.info(
             "--init-from: the tokenizer section is the parent's (no new vocabulary is trained)"
         )
     cfg.tokenizer = dataclasses.replace(parent.config.tokenizer)
+    if cfg.data.subword_sampling.nbest and cfg.tokenizer.type != "unigram":
+        raise UserError(
+            f"--init-from: the parent's tokenizer is {cfg.tokenizer.type}, and "
+            "data.subword_sampling needs a unigram one: set data.subword_sampling.nbest: 0"
+        )
 
 
 def write_parent(run_dir: Path, parent: Parent) -> None:

@@ -36,22 +36,33 @@ class NBest:
 
     @classmethod
     def build(
-        cls, per_line: list[list[tuple[float, list[int]]]], alpha: float, max_len: int
+        cls, per_line: list[list[list[int]]], log_probs: np.ndarray, alpha: float, max_len: int
     ) -> NBest:
-        """From each line's (log-probability, ids) candidates, best first. Candidates longer than
-        `max_len` are left out (the best one always stays: data.max_len drops its pair)."""
-        kept = [[c[0]] + [x for x in c[1:] if len(x[1]) <= max_len] for c in per_line]
+        """From each line's candidates (ids, best first) and the pieces' log-probabilities.
+        Candidates longer than `max_len` are left out (the best one always stays: data.max_len
+        drops its pair)."""
+        kept = [[c[0]] + [x for x in c[1:] if len(x) <= max_len] for c in per_line]
         counts = np.fromiter((len(c) for c in kept), np.int64, len(kept))
         cands = [x for c in kept for x in c]
-        lens = np.fromiter((len(ids) for _, ids in cands), np.int64, len(cands))
-        ids = np.fromiter((t for _, x in cands for t in x), np.int32, int(lens.sum()))
-        first = np.concatenate([[0], np.cumsum(counts)])
+        lens = np.fromiter((len(x) for x in cands), np.int64, len(cands))
+        ids = np.fromiter((t for x in cands for t in x), np.int32, int(lens.sum()))
+        offsets, first = _starts(lens), _starts(counts)
+        # a segmentation's log P: its pieces' summed (reduceat needs no empty candidate)
+        logp = np.add.reduceat(np.append(log_probs[ids], 0.0), np.minimum(offsets[:-1], len(ids)))
+        logit = alpha * np.where(lens > 0, logp, 0.0)
         # softmax of alpha * log P within each sentence: P^alpha, normalised
-        logit = alpha * np.fromiter((s for s, _ in cands), np.float64, len(cands))
         logit -= np.repeat(np.maximum.reduceat(logit, first[:-1]), counts)
         weight = np.exp(logit)
         prob = weight / np.repeat(np.add.reduceat(weight, first[:-1]), counts)
-        return cls(ids, np.concatenate([[0], np.cumsum(lens)]), first, prob)
+        return cls(ids, offsets, first, prob)
+
+    @classmethod
+    def concat(cls, parts: list[NBest]) -> NBest:
+        """The chunks' candidates as one list of sentences."""
+        ids = np.concatenate([p.ids for p in parts])
+        offsets = _starts(np.concatenate([p.lens for p in parts]))
+        first = _starts(np.concatenate([np.diff(p.first) for p in parts]))
+        return cls(ids, offsets, first, np.concatenate([p.prob for p in parts]))
 
     @property
     def lens(self) -> np.ndarray:
@@ -82,6 +93,11 @@ class NBest:
         return float((self.prob * self.lens).sum() / self.lens[self.first[:-1]].sum())
 
 
+def _starts(lens: np.ndarray) -> np.ndarray:
+    """(n + 1,) where each of n consecutive runs of `lens` starts, and the end."""
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+
 class SampledSegmentations:
     """The training corpus of each epoch, re-segmented: what data.EpochBatches batches from."""
 
@@ -105,18 +121,20 @@ def sampled_segmentations(
     if not sampling.nbest:
         return None
     start = time.perf_counter()
-    src: list = []
-    tgt: list = []
+    log_probs = [tokenizer.piece_log_probs(side) for side in ("src", "tgt")]
+    parts: list[list[NBest]] = [[], []]
+    # chunk by chunk: only one chunk's candidates are ever Python lists
     for chunk in chunks(iter_split(cfg.data, "train"), chunk_size):
-        src += tokenizer.nbest([s for s, _ in chunk], sampling.nbest, "src")
-        tgt += tokenizer.nbest([t for _, t in chunk], sampling.nbest, "tgt")
-    sides = [NBest.build(side, sampling.alpha, cfg.data.max_len) for side in (src, tgt)]
+        for i, side in enumerate(("src", "tgt")):
+            found = tokenizer.nbest([pair[i] for pair in chunk], sampling.nbest, side)
+            parts[i].append(NBest.build(found, log_probs[i], sampling.alpha, cfg.data.max_len))
+    sides = [NBest.concat(p) for p in parts]
     log.info(
-        "subword sampling: the %d best segmentations of %d training pairs in %.1f s (%.0f MB); an "
+        "subword sampling: the %d best segmentations of %d training pairs in %.1f s (%.0f MiB); an "
         "epoch keeps the best one for %.0f%% of source and %.0f%% of target sentences (alpha %g) "
         "and holds %.2fx and %.2fx their tokens",
         sampling.nbest,
-        len(src),
+        len(sides[0].first) - 1,
         time.perf_counter() - start,
         sum(s.ids.nbytes + s.offsets.nbytes + s.prob.nbytes for s in sides) / 2**20,
         100 * sides[0].best_share(),

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+import numpy as np
 import sentencepiece as spm
 
 from .config import TokenizerConfig
@@ -63,21 +64,24 @@ class Tokenizer:
     def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
         return self.tgt.encode(list(lines), num_threads=_THREADS)
 
-    def nbest(
-        self, lines: Sequence[str], n: int, side: str = "src"
-    ) -> list[list[tuple[float, list[int]]]]:
-        """The `n` best segmentations of each line under the unigram model of `side` ("src" or
-        "tgt"), best first, as (log-probability, ids); a line with none (empty) gets its one
-        ordinary encoding."""
+    def nbest(self, lines: Sequence[str], n: int, side: str = "src") -> list[list[list[int]]]:
+        """The ids of the `n` best segmentations of each line under the unigram model of `side`
+        ("src" or "tgt"), best first (an empty line: one empty segmentation)."""
         proc = self.src if side == "src" else self.tgt
         try:
-            found = proc.nbest_encode(list(lines), nbest_size=n, return_type="proto")
+            return [proc.nbest_encode_as_ids(line, nbest_size=n) or [[]] for line in lines]
         except RuntimeError as e:  # a BPE model: SentencePiece has no n-best for it
-            raise UserError(f"subword sampling needs a unigram SentencePiece model: {e}") from None
-        return [
-            [(c.score, [p.id for p in c.pieces]) for c in one.nbests] or [(0.0, proc.encode(line))]
-            for line, one in zip(lines, found)
-        ]
+            raise UserError(
+                "data.subword_sampling needs a unigram SentencePiece model, and this one has no "
+                f"n-best segmentations (SentencePiece: {str(e).strip()}): set "
+                "data.subword_sampling.nbest: 0"
+            ) from None
+
+    def piece_log_probs(self, side: str = "src") -> np.ndarray:
+        """(vocabulary,) each piece's log-probability under the unigram model of `side`: a
+        segmentation's is the sum over its pieces (0 for special and unknown pieces)."""
+        proc = self.src if side == "src" else self.tgt
+        return np.array([proc.get_score(i) for i in range(proc.get_piece_size())], np.float64)
 
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
         # SentencePiece gives "" for []
