@@ -676,9 +676,11 @@ def keep_earlier_decoding(res: dict, json_path: Path) -> None:
     earlier = read_json(json_path)
     if earlier.get("decoding"):
         res.update({k: earlier[k] for k in DECODING_KEYS if k in earlier})
+        # a --json written before decoding_date existed measured decoding in its own run
+        res["decoding_date"] = earlier.get("decoding_date") or earlier.get("date", "?")
         res["notes"] = [n for n in res["notes"] if not n.startswith("decoding not compared")]
         res["notes"].append(
-            f"the decoding table is the one measured on {earlier.get('decoding_date', '?')} on "
+            f"the decoding table is the one measured on {res['decoding_date']} on "
             f"{earlier.get('decoding_cpu', '?')}: this run did not measure decoding"
         )
 

@@ -147,9 +147,11 @@ def test_decoding_engines(tiny, tmp_path):
         assert 0 <= row["bleu"] <= 100 and row["peak_rss_mb"] > 0
 
 
-def test_quality(tiny, tmp_path):
+def test_quality(tiny, tmp_path, monkeypatch):
     """The recipe (trained in bf16, so that the fp32 comparison runs), the budget race without
     the peers, and the fp32 check, on the tiny config; the history goes to a file of its own."""
+    # as in a checkout without the peers kit
+    monkeypatch.setattr(bench_quality, "peers_ready", lambda: False)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         tiny.config.read_text()
@@ -328,6 +330,12 @@ def test_speed_keeps_an_earlier_decoding_table_under_its_own_date(tmp_path):
     fresh = {"decoding": {"x": 1}, "notes": []}
     bench.keep_earlier_decoding(fresh, path)
     assert fresh == {"decoding": {"x": 1}, "notes": []}
+    # a bench.json from before decoding_date: its decoding was measured in its own run
+    path.write_text(json.dumps({"decoding": {"x": 2}, "date": "E", "decoding_cpu": "C"}))
+    older = {"notes": []}
+    bench.keep_earlier_decoding(older, path)
+    assert older["decoding_date"] == "E"
+    assert older["notes"][0].startswith("the decoding table is the one measured on E on C:")
 
 
 def test_quality_variant_goes_to_the_history_only(tiny, tmp_path):
