@@ -47,9 +47,9 @@ class NBest:
         lens = np.fromiter((len(x) for x in cands), np.int64, len(cands))
         ids = np.fromiter((t for x in cands for t in x), np.int32, int(lens.sum()))
         offsets, first = _starts(lens), _starts(counts)
-        # a segmentation's log P: its pieces' summed (reduceat needs no empty candidate)
-        logp = np.add.reduceat(np.append(log_probs[ids], 0.0), np.minimum(offsets[:-1], len(ids)))
-        logit = alpha * np.where(lens > 0, logp, 0.0)
+        # a segmentation's log P: its pieces' summed (0 for an empty line's empty one)
+        owner = np.repeat(np.arange(len(cands)), lens)
+        logit = alpha * np.bincount(owner, weights=log_probs[ids], minlength=len(cands))
         # softmax of alpha * log P within each sentence: P^alpha, normalised
         logit -= np.repeat(np.maximum.reduceat(logit, first[:-1]), counts)
         weight = np.exp(logit)
