@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from transformer_mt import data
-from transformer_mt.config import DataConfig, TokenizerConfig
+from transformer_mt.config import ConfigError, DataConfig, TokenizerConfig, TrainConfig
 from transformer_mt.data import (
     DataError,
     TokenizedCorpus,
@@ -25,9 +25,10 @@ from transformer_mt.data import (
     make_batches,
     read_split,
     usable_indices,
+    word_dropout,
 )
 from transformer_mt.tokenizer import train_tokenizer
-from transformer_mt.vocab import BOS, EOS, PAD
+from transformer_mt.vocab import BOS, EOS, PAD, UNK
 
 WORDS = (
     "the a cat dog sat on mat red blue green house tree river stone small big old new runs sees"
@@ -634,3 +635,22 @@ def test_an_incomplete_cache_folder_is_replaced_not_fatal(tmp_path, tokenizers):
     corpus = load_tokenized(cfg, "train", tok, cache)
     assert corpus.src(0).tolist() == tok.encode_src(["the cat"])[0]
     assert [p.name for p in cache.iterdir()] == [stale.name]
+
+
+def test_word_dropout_blanks_ordinary_tokens_at_the_rate_and_never_the_specials():
+    torch.manual_seed(0)
+    ids = torch.randint(UNK + 3, 500, (64, 50))  # (B, L) ordinary pieces
+    ids[:, 0], ids[:, -1], ids[:32, -10:] = BOS, EOS, PAD
+    assert word_dropout(ids, 0.0) is ids
+    noised = word_dropout(ids, 0.25)
+    ordinary = ids > EOS
+    assert torch.equal(noised[~ordinary], ids[~ordinary])  # PAD, BOS and EOS stay where they are
+    changed = noised != ids
+    assert torch.equal(noised[changed], torch.full_like(noised[changed], UNK))
+    # 2,880 ordinary tokens: a binomial(2880, 0.25) falls outside 0.25 +- 0.04 with p < 1e-5.
+    assert abs(changed.sum().item() / ordinary.sum().item() - 0.25) < 0.04
+
+
+def test_word_dropout_rate_must_be_below_one():
+    with pytest.raises(ConfigError, match=r"train\.word_dropout"):
+        TrainConfig(word_dropout=1.0)

@@ -14,7 +14,7 @@ from transformer_mt.inference import Translator
 from transformer_mt.model import label_smoothed_loss
 from transformer_mt.optim import cooldown_factor, noam
 from transformer_mt.train import Stop, Trainer, TrainState, limits_reached
-from transformer_mt.vocab import PAD
+from transformer_mt.vocab import PAD, UNK
 
 
 def test_loss_is_label_smoothed_cross_entropy_over_non_padding():
@@ -192,6 +192,30 @@ def test_accumulated_update_equals_one_big_batch(copy_config):
     for k, v in other.model.state_dict().items():
         torch.testing.assert_close(v, accumulated[k], atol=1e-6, rtol=1e-5)
     assert any(not torch.equal(start[k], accumulated[k]) for k in start)
+
+
+def test_word_dropout_noises_the_inputs_of_training_steps_but_not_their_labels(
+    copy_config, monkeypatch
+):
+    trainer = Trainer(copy_config(word_dropout=0.5))
+    clean_metrics = trainer.validation_metrics()
+    batch = collate(trainer.data.train, trainer.batches.epoch(1)[0])
+    inputs, labels = [], []
+    forward, loss = trainer.forward, label_smoothed_loss
+    trainer.forward = lambda src, tgt_in: inputs.append((src, tgt_in)) or forward(src, tgt_in)
+    monkeypatch.setattr(
+        "transformer_mt.train.label_smoothed_loss",
+        lambda logits, tgt_out, eps: labels.append(tgt_out) or loss(logits, tgt_out, eps),
+    )
+    trainer.train_step([batch])
+    ((src, tgt_in),), (tgt_out,) = inputs, labels
+    for noised, clean in ((src, batch.src), (tgt_in, batch.tgt_in)):
+        changed = noised != clean
+        assert changed.any() and (noised[changed] == UNK).all()
+    assert torch.equal(tgt_out, batch.tgt_out)
+    # Validation is not noised: the same weights validate alike with the rate at 0.5 and at 0.
+    other = Trainer(copy_config(word_dropout=0.0))
+    assert other.validation_metrics() == clean_metrics
 
 
 def test_separate_bpe_vocabularies_train_and_reload(copy_config, tmp_path):

@@ -182,6 +182,9 @@ class TrainConfig:
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
     label_smoothing: float = 0.1
+    # Word dropout (Sennrich et al., 2016; Sennrich & Zhang, 2019): while training, each source
+    # token and each decoder-input token becomes <unk> at this rate; 0 = off. Labels stay intact.
+    word_dropout: float = 0.0
     clip_norm: float = 1.0  # 0 disables gradient clipping
     log_every: int = 50
     valid_every: int = 1000
@@ -220,6 +223,11 @@ class TrainConfig:
             0.0 <= self.label_smoothing < 1.0,
             "train.label_smoothing",
             f"must be in [0, 1), got {self.label_smoothing}",
+        )
+        _check(
+            0.0 <= self.word_dropout < 1.0,
+            "train.word_dropout",
+            f"must be in [0, 1), got {self.word_dropout}",
         )
         _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")

@@ -27,7 +27,7 @@ from .config import Config, DataConfig, TrainConfig
 from .errors import UserError
 from .fileio import temp_dir
 from .tokenizer import Tokenizer, train_tokenizer
-from .vocab import BOS, EOS, PAD
+from .vocab import BOS, EOS, PAD, UNK
 
 log = logging.getLogger("transformer_mt")
 
@@ -646,6 +646,16 @@ class Batch:
             self.n_tgt_tokens,
             self.n_src_tokens,
         )
+
+
+def word_dropout(ids: torch.Tensor, rate: float) -> torch.Tensor:
+    """`ids` with each ordinary token (not PAD, BOS or EOS) replaced by UNK with probability `rate`,
+    drawn from torch's global generator (so seeded and checkpointed with the rest of training)."""
+    if rate == 0.0:
+        return ids
+    ordinary = ids > max(PAD, UNK, BOS, EOS)  # (B, L)
+    drop = torch.rand(ids.shape, device=ids.device) < rate  # (B, L)
+    return torch.where(ordinary & drop, torch.full_like(ids, UNK), ids)
 
 
 def collate(corpus: TokenizedCorpus, indices: Sequence[int]) -> Batch:

@@ -34,7 +34,7 @@ from .checkpoint import (
     validation_score,
 )
 from .config import Config, TrainConfig
-from .data import Batch, EpochBatches, read_split
+from .data import Batch, EpochBatches, read_split, word_dropout
 from .distributed import agree, agree_min, gathered_rng, global_sum, leave_distributed, restore_rng
 from .errors import TrainingDiverged, TrainingInterrupted
 from .evaluate import validation_metrics
@@ -362,8 +362,10 @@ class Trainer:
             last = i == len(micro) - 1
             # micro-steps skip all-reduce
             with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
+                src = word_dropout(batch.src, tc.word_dropout)  # (B, S)
+                tgt_in = word_dropout(batch.tgt_in, tc.word_dropout)  # (B, T)
                 with autocast(self.precision, self.device):
-                    logits = self.forward(batch.src, batch.tgt_in)  # (B, T, V)
+                    logits = self.forward(src, tgt_in)  # (B, T, V)
                 loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
                 self.scaler.scale(loss * (world / n_tokens)).backward()
             total += loss.detach()
