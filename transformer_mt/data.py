@@ -649,13 +649,13 @@ class Batch:
 
 
 def word_dropout(ids: torch.Tensor, rate: float) -> torch.Tensor:
-    """`ids` with each ordinary token (not PAD, BOS or EOS) replaced by UNK with probability `rate`,
-    drawn from torch's global generator (so seeded and checkpointed with the rest of training)."""
+    """`ids` with each ordinary token (not PAD, UNK, BOS or EOS) replaced by UNK with probability
+    `rate`, from torch's global generator (seeded and checkpointed like the rest of training)."""
     if rate == 0.0:
         return ids
-    ordinary = ids > max(PAD, UNK, BOS, EOS)  # (B, L)
+    ordinary = ids > EOS  # (B, L); the specials are ids 0-3 (vocab.py)
     drop = torch.rand(ids.shape, device=ids.device) < rate  # (B, L)
-    return torch.where(ordinary & drop, torch.full_like(ids, UNK), ids)
+    return ids.masked_fill(ordinary & drop, UNK)
 
 
 def collate(corpus: TokenizedCorpus, indices: Sequence[int]) -> Batch:
