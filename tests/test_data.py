@@ -651,6 +651,8 @@ def test_word_dropout_blanks_ordinary_tokens_at_the_rate_and_never_the_specials(
     assert abs(changed.sum().item() / ordinary.sum().item() - 0.25) < 0.04
 
 
-def test_word_dropout_rate_must_be_below_one():
+def test_word_dropout_rates_must_be_below_one():
     with pytest.raises(ConfigError, match=r"train\.word_dropout"):
         TrainConfig(word_dropout=1.0)
+    with pytest.raises(ConfigError, match=r"train\.target_word_dropout"):
+        TrainConfig(target_word_dropout=1.0)

@@ -194,11 +194,9 @@ def test_accumulated_update_equals_one_big_batch(copy_config):
     assert any(not torch.equal(start[k], accumulated[k]) for k in start)
 
 
-def test_word_dropout_noises_the_inputs_of_training_steps_but_not_their_labels(
-    copy_config, monkeypatch
-):
-    trainer = Trainer(copy_config(word_dropout=0.5))
-    clean_metrics = trainer.validation_metrics()
+def noised_step_inputs(trainer, monkeypatch):
+    """One training step's batch, with the (src, tgt_in) its forward saw and the labels its loss
+    saw."""
     batch = collate(trainer.data.train, trainer.batches.epoch(1)[0])
     inputs, labels = [], []
     forward, loss = trainer.forward, label_smoothed_loss
@@ -209,6 +207,15 @@ def test_word_dropout_noises_the_inputs_of_training_steps_but_not_their_labels(
     )
     trainer.train_step([batch])
     ((src, tgt_in),), (tgt_out,) = inputs, labels
+    return batch, src, tgt_in, tgt_out
+
+
+def test_word_dropout_noises_the_inputs_of_training_steps_but_not_their_labels(
+    copy_config, monkeypatch
+):
+    trainer = Trainer(copy_config(word_dropout=0.5))
+    clean_metrics = trainer.validation_metrics()
+    batch, src, tgt_in, tgt_out = noised_step_inputs(trainer, monkeypatch)
     for noised, clean in ((src, batch.src), (tgt_in, batch.tgt_in)):
         changed = noised != clean
         assert changed.any() and (noised[changed] == UNK).all()
@@ -216,6 +223,19 @@ def test_word_dropout_noises_the_inputs_of_training_steps_but_not_their_labels(
     # Validation is not noised: the same weights validate alike with the rate at 0.5 and at 0.
     other = Trainer(copy_config(word_dropout=0.0))
     assert other.validation_metrics() == clean_metrics
+
+
+def test_target_word_dropout_sets_the_decoder_input_rate_apart_from_the_source(
+    copy_config, monkeypatch
+):
+    # Source-only: the source is noised, the decoder input is not.
+    trainer = Trainer(copy_config(word_dropout=0.5, target_word_dropout=0.0))
+    batch, src, tgt_in, _ = noised_step_inputs(trainer, monkeypatch)
+    assert (src != batch.src).any() and torch.equal(tgt_in, batch.tgt_in)
+    # Target-only, the other way round.
+    trainer = Trainer(copy_config(word_dropout=0.0, target_word_dropout=0.5))
+    batch, src, tgt_in, _ = noised_step_inputs(trainer, monkeypatch)
+    assert torch.equal(src, batch.src) and (tgt_in != batch.tgt_in).any()
 
 
 def test_separate_bpe_vocabularies_train_and_reload(copy_config, tmp_path):

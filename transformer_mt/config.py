@@ -185,6 +185,9 @@ class TrainConfig:
     # Word dropout (Sennrich et al., 2016; Sennrich & Zhang, 2019): while training, each source
     # token and each decoder-input token becomes <unk> at this rate; 0 = off. Labels stay intact.
     word_dropout: float = 0.0
+    # The decoder-input rate, when it should differ from the source's (0 = source-only); None = the
+    # same rate.
+    target_word_dropout: Optional[float] = None
     clip_norm: float = 1.0  # 0 disables gradient clipping
     log_every: int = 50
     valid_every: int = 1000
@@ -228,6 +231,11 @@ class TrainConfig:
             0.0 <= self.word_dropout < 1.0,
             "train.word_dropout",
             f"must be in [0, 1), got {self.word_dropout}",
+        )
+        _check(
+            self.target_word_dropout is None or 0.0 <= self.target_word_dropout < 1.0,
+            "train.target_word_dropout",
+            f"must be in [0, 1) or null, got {self.target_word_dropout}",
         )
         _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")

@@ -354,6 +354,7 @@ class Trainer:
         sync); DDP averages gradients over ranks, so each rank scales its share by the world
         size."""
         tc, world = self.cfg.train, self.dist.world
+        tgt_rate = tc.word_dropout if tc.target_word_dropout is None else tc.target_word_dropout
         n_tokens = global_tokens or sum(b.n_tgt_tokens for b in micro)
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
@@ -363,7 +364,7 @@ class Trainer:
             # micro-steps skip all-reduce
             with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
                 src = word_dropout(batch.src, tc.word_dropout)  # (B, S)
-                tgt_in = word_dropout(batch.tgt_in, tc.word_dropout)  # (B, T)
+                tgt_in = word_dropout(batch.tgt_in, tgt_rate)  # (B, T)
                 with autocast(self.precision, self.device):
                     logits = self.forward(src, tgt_in)  # (B, T, V)
                 loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
