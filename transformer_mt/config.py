@@ -185,8 +185,8 @@ class TrainConfig:
     # Word dropout (Sennrich et al., 2016; Sennrich & Zhang, 2019): while training, each source
     # token and each decoder-input token becomes <unk> at this rate; 0 = off. Labels stay intact.
     word_dropout: float = 0.0
-    # The decoder-input rate, when it should differ from the source's (0 = source-only); None = the
-    # same rate.
+    # The decoder input's rate, when it should differ from the source's (0 = source-only); None =
+    # word_dropout.
     target_word_dropout: Optional[float] = None
     clip_norm: float = 1.0  # 0 disables gradient clipping
     log_every: int = 50
