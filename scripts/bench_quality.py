@@ -305,6 +305,7 @@ RECIPE_KEYS = [
     ("train", "lr_factor"),
     ("train", "cooldown"),
     ("train", "label_smoothing"),
+    ("train", "word_dropout"),
     ("train", "precision"),
     ("train", "max_minutes"),
     ("train", "save_every"),
