@@ -656,3 +656,8 @@ def test_word_dropout_rates_must_be_below_one():
         TrainConfig(word_dropout=1.0)
     with pytest.raises(ConfigError, match=r"train\.target_word_dropout"):
         TrainConfig(target_word_dropout=1.0)
+
+
+def test_r_drop_weight_must_not_be_negative():
+    with pytest.raises(ConfigError, match=r"train\.r_drop"):
+        TrainConfig(r_drop=-0.5)

@@ -5,13 +5,14 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.config import config_from_dict
 from transformer_mt.data import collate, read_split
 from transformer_mt.errors import TrainingDiverged
 from transformer_mt.inference import Translator
-from transformer_mt.model import label_smoothed_loss
+from transformer_mt.model import label_smoothed_loss, symmetric_kl
 from transformer_mt.optim import cooldown_factor, noam
 from transformer_mt.train import Stop, Trainer, TrainState, limits_reached
 from transformer_mt.vocab import PAD, UNK
@@ -34,6 +35,23 @@ def test_loss_is_label_smoothed_cross_entropy_over_non_padding():
     # Without smoothing it is the plain negative log-likelihood.
     nll = -sum(logp[b, t, target[b, t]] for b in range(2) for t in range(5) if target[b, t] != PAD)
     torch.testing.assert_close(label_smoothed_loss(logits, target, 0.0), nll)
+
+
+def test_symmetric_kl_is_both_kl_divergences_over_non_padding():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 2, 5, 11, generator=g)
+    target = torch.randint(1, 11, (2, 5), generator=g)
+    target[1, 3:] = PAD
+    keep = target != PAD
+    log_a, log_b = a[keep].log_softmax(-1), b[keep].log_softmax(-1)
+    # F.kl_div(input, target) is KL(target ‖ input), with both as log-probabilities here.
+    kl = lambda p, q: F.kl_div(q, p, reduction="sum", log_target=True)  # noqa: E731
+    torch.testing.assert_close(symmetric_kl(a, b, target), kl(log_a, log_b) + kl(log_b, log_a))
+    # Padding positions do not count, and identical predictions are 0 apart.
+    b_pad = b.clone()
+    b_pad[1, 3:] = torch.randn(2, 11, generator=g)
+    torch.testing.assert_close(symmetric_kl(a, b_pad, target), symmetric_kl(a, b, target))
+    assert symmetric_kl(a, a, target).item() == 0.0
 
 
 def test_noam_schedule_matches_formula_and_peaks_at_warmup():
@@ -236,6 +254,37 @@ def test_target_word_dropout_sets_the_decoder_input_rate_apart_from_the_source(
     trainer = Trainer(copy_config(word_dropout=0.0, target_word_dropout=0.5))
     batch, src, tgt_in, _ = noised_step_inputs(trainer, monkeypatch)
     assert torch.equal(src, batch.src) and (tgt_in != batch.tgt_in).any()
+
+
+def test_r_drop_without_any_dropout_is_the_plain_update(copy_config):
+    # The copy model has no dropout: both passes predict alike, the KL term is 0, and their mean
+    # loss is the single pass's, so the update must be the one without R-Drop.
+    plain, r_drop = Trainer(copy_config()), Trainer(copy_config(r_drop=5.0))
+    batch = collate(plain.data.train, plain.batches.epoch(1)[0])
+    torch.testing.assert_close(r_drop.train_step([batch]), plain.train_step([batch]))
+    for (name, p), q in zip(plain.model.named_parameters(), r_drop.model.parameters()):
+        torch.testing.assert_close(q, p, msg=name)
+
+
+def test_r_drop_passes_the_batch_twice_with_their_own_word_dropout(copy_config, monkeypatch):
+    trainer = Trainer(copy_config(word_dropout=0.5, r_drop=1.0))
+    batch = collate(trainer.data.train, trainer.batches.epoch(1)[0])
+    inputs, kls = [], []
+    forward = trainer.forward
+    trainer.forward = lambda src, tgt_in: inputs.append((src, tgt_in)) or forward(src, tgt_in)
+    monkeypatch.setattr(
+        "transformer_mt.train.symmetric_kl",
+        lambda a, b, target: kls.append(symmetric_kl(a, b, target)) or kls[-1],
+    )
+    trainer.train_step([batch])
+    ((src, tgt_in),) = inputs
+    for noised, clean in ((src, batch.src), (tgt_in, batch.tgt_in)):
+        first, second = noised.chunk(2)
+        for half in (first, second):  # each pass is the batch, noised
+            assert ((half == clean) | (half == UNK)).all()
+        assert (first != second).any()  # with masks of its own
+    # Different inputs, different predictions: the consistency term is at work.
+    assert kls[0].item() > 0
 
 
 def test_separate_bpe_vocabularies_train_and_reload(copy_config, tmp_path):

@@ -188,6 +188,10 @@ class TrainConfig:
     # The decoder input's rate, when it should differ from the source's (0 = source-only); None =
     # word_dropout.
     target_word_dropout: Optional[float] = None
+    # R-Drop (Liang et al., 2021): each batch passes twice, with its own dropout (and word dropout)
+    # each time, and the loss adds this weight times the two predictions' symmetric KL; 0 = off.
+    # An update then costs about twice the compute.
+    r_drop: float = 0.0
     clip_norm: float = 1.0  # 0 disables gradient clipping
     log_every: int = 50
     valid_every: int = 1000
@@ -237,6 +241,7 @@ class TrainConfig:
             "train.target_word_dropout",
             f"must be in [0, 1) or null, got {self.target_word_dropout}",
         )
+        _check(self.r_drop >= 0, "train.r_drop", f"must be >= 0, got {self.r_drop}")
         _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(self.save_every >= 0, "train.save_every", f"must be >= 0, got {self.save_every}")

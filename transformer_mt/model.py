@@ -540,3 +540,16 @@ def label_smoothed_loss(
         label_smoothing=smoothing,
         reduction="sum",
     )
+
+
+def symmetric_kl(
+    logits_a: torch.Tensor, logits_b: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """KL(a‖b) + KL(b‖a) of two predictions of the same targets, summed over the non-padding ones:
+    R-Drop's consistency term (Liang et al., 2021). logits (..., V), target (...)."""
+    V = logits_a.size(-1)
+    keep = target.reshape(-1) != PAD  # (N,)
+    log_a = logits_a.reshape(-1, V)[keep].float().log_softmax(-1)  # (n, V)
+    log_b = logits_b.reshape(-1, V)[keep].float().log_softmax(-1)  # (n, V)
+    # sum p_a (log p_a - log p_b) + sum p_b (log p_b - log p_a) = sum (p_a - p_b)(log p_a - log p_b)
+    return ((log_a.exp() - log_b.exp()) * (log_a - log_b)).sum()

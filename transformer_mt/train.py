@@ -38,7 +38,7 @@ from .data import Batch, EpochBatches, read_split, word_dropout
 from .distributed import agree, agree_min, gathered_rng, global_sum, leave_distributed, restore_rng
 from .errors import TrainingDiverged, TrainingInterrupted
 from .evaluate import validation_metrics
-from .model import label_smoothed_loss
+from .model import label_smoothed_loss, symmetric_kl
 from .optim import build_optimizer, cooldown_by_steps, plan_cooldown
 from .prepare import (
     NullWriter,
@@ -363,12 +363,8 @@ class Trainer:
             last = i == len(micro) - 1
             # micro-steps skip all-reduce
             with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
-                src = word_dropout(batch.src, tc.word_dropout)  # (B, S)
-                tgt_in = word_dropout(batch.tgt_in, tgt_rate)  # (B, T)
-                with autocast(self.precision, self.device):
-                    logits = self.forward(src, tgt_in)  # (B, T, V)
-                loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
-                self.scaler.scale(loss * (world / n_tokens)).backward()
+                loss, objective = self._loss(batch, tgt_rate)
+                self.scaler.scale(objective * (world / n_tokens)).backward()
             total += loss.detach()
         if tc.clip_norm > 0:
             self.scaler.unscale_(self.optimizer)
@@ -378,6 +374,27 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return total
+
+    def _loss(self, batch: Batch, tgt_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch's summed label-smoothed loss (what the log shows) and the objective to
+        minimise: the same, or with R-Drop the two passes' mean loss plus their consistency term."""
+        tc, passes = self.cfg.train, 2 if self.cfg.train.r_drop > 0 else 1
+        # Both passes in one forward over the batch stacked on itself: each row gets its own
+        # dropout and word-dropout masks.
+        src = word_dropout(batch.src.repeat(passes, 1), tc.word_dropout)  # (passes·B, S)
+        tgt_in = word_dropout(batch.tgt_in.repeat(passes, 1), tgt_rate)  # (passes·B, T)
+        with autocast(self.precision, self.device):
+            logits = self.forward(src, tgt_in)  # (passes·B, T, V)
+        if passes == 1:
+            loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
+            return loss, loss
+        first, second = logits.chunk(2)  # (B, T, V) each
+        loss = (
+            label_smoothed_loss(first, batch.tgt_out, tc.label_smoothing)
+            + label_smoothed_loss(second, batch.tgt_out, tc.label_smoothing)
+        ) / 2
+        # Liang et al.'s NLL1 + NLL2 + α/2·(KL(1‖2) + KL(2‖1)), halved: per pass, as without it
+        return loss, loss + tc.r_drop * symmetric_kl(first, second, batch.tgt_out) / 4
 
     def validate_and_save(self, bar: tqdm | None = None) -> bool:
         """Validate, write checkpoints (last, step_N, best), and say whether to stop early. Under
