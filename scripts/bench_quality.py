@@ -306,6 +306,7 @@ RECIPE_KEYS = [
     ("train", "cooldown"),
     ("train", "label_smoothing"),
     ("train", "word_dropout"),
+    ("train", "r_drop"),
     ("train", "precision"),
     ("train", "max_minutes"),
     ("train", "save_every"),
