@@ -266,6 +266,11 @@ class TrainConfig:
             f"must be two numbers in [0, 1), got {list(self.adam_betas)}",
         )
 
+    @property
+    def passes(self) -> int:
+        """Forward passes per batch: two with R-Drop, else one."""
+        return 2 if self.r_drop > 0 else 1
+
 
 # How `tmt export` can store a CTranslate2 model's weights (CTranslate2's own names).
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")

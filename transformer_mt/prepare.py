@@ -167,7 +167,7 @@ def cpu_probe_step(
     the output layer weighs depends on the batch size. It changes no weight, and leaves no gradient
     and the output layer in fp32."""
     T = 24
-    n = max(1, min(tc.max_tokens * (2 if tc.r_drop > 0 else 1), 4096) // T) * T
+    n = max(1, min(tc.max_tokens * tc.passes, 4096) // T) * T
     # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than the
     # source's), above the special ids. (B, T)
     src = (torch.arange(n) % (model.src_embed.lut.num_embeddings - 4) + 4).view(-1, T).to(device)

@@ -354,7 +354,6 @@ class Trainer:
         sync); DDP averages gradients over ranks, so each rank scales its share by the world
         size."""
         tc, world = self.cfg.train, self.dist.world
-        tgt_rate = tc.word_dropout if tc.target_word_dropout is None else tc.target_word_dropout
         n_tokens = global_tokens or sum(b.n_tgt_tokens for b in micro)
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
@@ -363,7 +362,7 @@ class Trainer:
             last = i == len(micro) - 1
             # micro-steps skip all-reduce
             with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
-                loss, objective = self._loss(batch, tgt_rate)
+                loss, objective = self._loss(batch)
                 self.scaler.scale(objective * (world / n_tokens)).backward()
             total += loss.detach()
         if tc.clip_norm > 0:
@@ -375,24 +374,22 @@ class Trainer:
         self.scheduler.step()
         return total
 
-    def _loss(self, batch: Batch, tgt_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One batch's summed label-smoothed loss (what the log shows) and the objective to
         minimise: the same, or with R-Drop the two passes' mean loss plus their consistency term."""
-        tc, passes = self.cfg.train, 2 if self.cfg.train.r_drop > 0 else 1
-        # Both passes in one forward over the batch stacked on itself: each row gets its own
-        # dropout and word-dropout masks.
+        tc, passes = self.cfg.train, self.cfg.train.passes
+        tgt_rate = tc.word_dropout if tc.target_word_dropout is None else tc.target_word_dropout
+        # With R-Drop both passes go in one forward over the batch stacked on itself: each row gets
+        # its own dropout and word-dropout masks.
         src = word_dropout(batch.src.repeat(passes, 1), tc.word_dropout)  # (passes·B, S)
         tgt_in = word_dropout(batch.tgt_in.repeat(passes, 1), tgt_rate)  # (passes·B, T)
+        tgt_out = batch.tgt_out.repeat(passes, 1)  # (passes·B, T)
         with autocast(self.precision, self.device):
             logits = self.forward(src, tgt_in)  # (passes·B, T, V)
+        loss = label_smoothed_loss(logits, tgt_out, tc.label_smoothing) / passes
         if passes == 1:
-            loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
             return loss, loss
         first, second = logits.chunk(2)  # (B, T, V) each
-        loss = (
-            label_smoothed_loss(first, batch.tgt_out, tc.label_smoothing)
-            + label_smoothed_loss(second, batch.tgt_out, tc.label_smoothing)
-        ) / 2
         # Liang et al.'s NLL1 + NLL2 + α/2·(KL(1‖2) + KL(2‖1)), halved: per pass, as without it
         return loss, loss + tc.r_drop * symmetric_kl(first, second, batch.tgt_out) / 4
 
