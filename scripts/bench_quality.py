@@ -307,6 +307,7 @@ RECIPE_KEYS = [
     ("train", "label_smoothing"),
     ("train", "word_dropout"),
     ("train", "r_drop"),
+    ("train", "bidirectional_epochs"),
     ("train", "precision"),
     ("train", "max_minutes"),
     ("train", "save_every"),

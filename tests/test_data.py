@@ -9,6 +9,7 @@ import os
 import random
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,18 @@ import pytest
 import torch
 
 from transformer_mt import data
-from transformer_mt.config import ConfigError, DataConfig, TokenizerConfig, TrainConfig
+from transformer_mt.config import (
+    ConfigError,
+    DataConfig,
+    TokenizerConfig,
+    TrainConfig,
+    config_from_dict,
+)
 from transformer_mt.data import (
     DataError,
+    EpochBatches,
     TokenizedCorpus,
+    TrainingData,
     collate,
     load_tokenized,
     make_batches,
@@ -661,3 +670,64 @@ def test_word_dropout_rates_must_be_below_one():
 def test_r_drop_weight_must_not_be_negative():
     with pytest.raises(ConfigError, match=r"train\.r_drop"):
         TrainConfig(r_drop=-0.5)
+
+
+def test_both_ways_appends_every_pair_reversed():
+    src = [[5, 6, 7], [8], [9, 10]]
+    tgt = [[11], [12, 13], [14, 15, 16, 17]]
+    both = data.both_ways(TokenizedCorpus.from_lists(src, tgt))
+    assert len(both) == 6
+    assert [both.src(i).tolist() for i in range(6)] == src + tgt
+    assert [both.tgt(i).tolist() for i in range(6)] == tgt + src
+
+
+@dataclass
+class Position:
+    epoch: int = 1
+    batch_in_epoch: int = 0
+
+
+def bidirectional_corpus() -> tuple[TrainingData, list[tuple], list[tuple]]:
+    """40 pairs whose source and target ids come from disjoint ranges (the direction shows);
+    pair 0 is left out of the usable ones. Returns the data and the usable pairs both ways."""
+    rng = np.random.default_rng(0)
+    src = [rng.integers(10, 100, rng.integers(1, 9)).tolist() for _ in range(40)]
+    tgt = [rng.integers(100, 200, rng.integers(1, 9)).tolist() for _ in range(40)]
+    usable = np.arange(1, 40)
+    forward = [(tuple(src[i]), tuple(tgt[i])) for i in usable]
+    return (
+        TrainingData(TokenizedCorpus.from_lists(src, tgt), usable),
+        sorted(forward),
+        sorted((t, s) for s, t in forward),
+    )
+
+
+def test_bidirectional_epochs_train_every_usable_pair_both_ways_then_forward_only():
+    td, forward, backward = bidirectional_corpus()
+    batches = EpochBatches(td, TrainConfig(max_tokens=32, max_epochs=3, bidirectional_epochs=2))
+
+    def trained(epoch: int) -> list[tuple]:
+        corpus = batches.corpus(epoch)
+        pairs = [i for b in batches.epoch(epoch) for i in b]
+        return sorted((tuple(corpus.src(i)), tuple(corpus.tgt(i))) for i in pairs)
+
+    assert trained(1) == trained(2) == sorted(forward + backward)
+    assert trained(3) == forward
+
+
+def test_resuming_inside_a_bidirectional_run_streams_what_the_whole_run_streams():
+    td, _, _ = bidirectional_corpus()
+    tc = TrainConfig(max_tokens=32, max_epochs=3, bidirectional_epochs=1)
+    whole = [b.src.tolist() for b, _ in EpochBatches(td, tc).stream(Position())]
+    n = [len(EpochBatches(td, tc).epoch(e)) for e in (1, 2, 3)]
+    assert len(whole) == sum(n) and n[0] > n[1]
+    for epoch, skip in ((1, 2), (2, 1)):
+        resumed = EpochBatches(td, tc).stream(Position(epoch=epoch, batch_in_epoch=skip))
+        assert [b.src.tolist() for b, _ in resumed] == whole[sum(n[: epoch - 1]) + skip :]
+
+
+def test_bidirectional_training_needs_a_joint_vocabulary():
+    with pytest.raises(ConfigError, match=r"train\.bidirectional_epochs.*tokenizer\.joint"):
+        config_from_dict({"tokenizer": {"joint": False}, "train": {"bidirectional_epochs": 2}})
+    with pytest.raises(ConfigError, match=r"train\.bidirectional_epochs"):
+        TrainConfig(bidirectional_epochs=-1)

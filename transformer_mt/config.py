@@ -192,6 +192,10 @@ class TrainConfig:
     # each time, and the loss adds this weight times the two predictions' symmetric KL; 0 = off.
     # An update then costs twice the compute (2.6x the time on two CPU cores: docs/multi30k.md).
     r_drop: float = 0.0
+    # Bidirectional training (BiT; Ding et al., 2021): the first N epochs also train on every pair
+    # reversed (target -> source), so they hold twice the pairs; later epochs the given direction
+    # alone. Needs tokenizer.joint (both directions share one vocabulary). 0 = off.
+    bidirectional_epochs: int = 0
     clip_norm: float = 1.0  # 0 disables gradient clipping
     log_every: int = 50
     valid_every: int = 1000
@@ -242,6 +246,11 @@ class TrainConfig:
             f"must be in [0, 1) or null, got {self.target_word_dropout}",
         )
         _check(self.r_drop >= 0, "train.r_drop", f"must be >= 0, got {self.r_drop}")
+        _check(
+            self.bidirectional_epochs >= 0,
+            "train.bidirectional_epochs",
+            f"must be >= 0, got {self.bidirectional_epochs}",
+        )
         _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(self.save_every >= 0, "train.save_every", f"must be >= 0, got {self.save_every}")
@@ -334,6 +343,12 @@ class Config:
             "data.subword_sampling.nbest",
             f"needs tokenizer.type unigram (a {self.tokenizer.type} model has no n-best "
             "segmentations to sample from)",
+        )
+        _check(
+            not self.train.bidirectional_epochs or self.tokenizer.joint,
+            "train.bidirectional_epochs",
+            "needs tokenizer.joint: true (training on reversed pairs needs one vocabulary for both "
+            "languages)",
         )
 
     def to_dict(self) -> dict[str, Any]:

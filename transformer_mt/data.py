@@ -357,6 +357,22 @@ class TokenizedCorpus:
         )
 
 
+def both_ways(corpus: TokenizedCorpus) -> TokenizedCorpus:
+    """`corpus` followed by its pairs reversed: pair len(corpus) + i is pair i from target to
+    source (bidirectional training; both sides must share one vocabulary)."""
+
+    def join(ids, offsets, more_ids, more_offsets) -> tuple[np.ndarray, np.ndarray]:
+        """One side's ids and offsets, then another's (its offsets shifted past the first's)."""
+        shifted = more_offsets[1:] + offsets[-1]
+        return np.concatenate([ids, more_ids]), np.concatenate([offsets, shifted])
+
+    c = corpus
+    return TokenizedCorpus(
+        *join(c.src_ids, c.src_offsets, c.tgt_ids, c.tgt_offsets),
+        *join(c.tgt_ids, c.tgt_offsets, c.src_ids, c.src_offsets),
+    )
+
+
 class _CorpusWriter:
     """Appends tokenized chunks to raw int32 files in a folder of its own; offsets and the
     publishing rename come at the end (see _publish: two processes filling the same entry at once
@@ -689,20 +705,30 @@ class EpochBatches:
 
     def __init__(self, data: TrainingData, tc: TrainConfig, rank: int = 0, world: int = 1):
         self.data, self.tc, self.rank, self.world = data, tc, rank, world
-        self._segmented: tuple[int, TokenizedCorpus] | None = None
+        self._cached: tuple[int, TokenizedCorpus] | None = None  # (epoch, its corpus)
 
     def corpus(self, epoch: int) -> TokenizedCorpus:
-        """The training corpus of one epoch: segmented anew each epoch under subword sampling."""
-        if self.data.segmentations is None:
-            return self.data.train
-        if self._segmented is None or self._segmented[0] != epoch:
-            self._segmented = (epoch, self.data.segmentations.corpus(epoch))
-        return self._segmented[1]
+        """The training corpus of one epoch: segmented anew each epoch under subword sampling, and
+        followed by its pairs reversed in the first train.bidirectional_epochs."""
+        if self._cached is None or self._cached[0] != epoch:
+            corpus = self.data.train
+            if self.data.segmentations is not None:
+                corpus = self.data.segmentations.corpus(epoch)
+            if self.bidirectional(epoch):
+                corpus = both_ways(corpus)
+            self._cached = (epoch, corpus)
+        return self._cached[1]
+
+    def bidirectional(self, epoch: int) -> bool:
+        """Whether this epoch trains on both directions (bidirectional training)."""
+        return epoch <= self.tc.bidirectional_epochs
 
     def epoch(self, epoch: int) -> list[np.ndarray]:
         """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of
         the world size; rank r takes batches r, r + world, r + 2*world, ..."""
         idx, world, corpus = self.data.train_idx, self.world, self.corpus(epoch)
+        if self.bidirectional(epoch):  # pair n + i is pair i reversed
+            idx = np.concatenate([idx, idx + len(self.data.train)])
         batches = make_batches(
             corpus.src_lens[idx],
             corpus.tgt_lens[idx],

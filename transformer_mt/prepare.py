@@ -232,6 +232,13 @@ def describe_run(
         d.world,
         "es" if d.world > 1 else "",
     )
+    if tc.bidirectional_epochs:
+        log.info(
+            "bidirectional training: the first %d epoch%s also train every pair reversed (target "
+            "to source), twice the batches of a later epoch",
+            tc.bidirectional_epochs,
+            "s" if tc.bidirectional_epochs > 1 else "",
+        )
 
 
 def open_event_log(run_dir: Path, d: Dist) -> Any:
