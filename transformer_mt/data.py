@@ -362,7 +362,8 @@ def both_ways(corpus: TokenizedCorpus) -> TokenizedCorpus:
     source (bidirectional training; both sides must share one vocabulary)."""
 
     def join(ids, offsets, more_ids, more_offsets) -> tuple[np.ndarray, np.ndarray]:
-        """One side's ids and offsets, then another's (its offsets shifted past the first's)."""
+        """One side's ids and offsets, then another's (its offsets, which start at 0 like every
+        corpus's, shifted past the first's)."""
         shifted = more_offsets[1:] + offsets[-1]
         return np.concatenate([ids, more_ids]), np.concatenate([offsets, shifted])
 
@@ -714,7 +715,7 @@ class EpochBatches:
             corpus = self.data.train
             if self.data.segmentations is not None:
                 corpus = self.data.segmentations.corpus(epoch)
-            if self.bidirectional(epoch):
+            if self.bidirectional(epoch):  # a copy in memory (a few ms a million tokens)
                 corpus = both_ways(corpus)
             self._cached = (epoch, corpus)
         return self._cached[1]
@@ -728,7 +729,7 @@ class EpochBatches:
         the world size; rank r takes batches r, r + world, r + 2*world, ..."""
         idx, world, corpus = self.data.train_idx, self.world, self.corpus(epoch)
         if self.bidirectional(epoch):  # pair n + i is pair i reversed
-            idx = np.concatenate([idx, idx + len(self.data.train)])
+            idx = np.concatenate([idx, idx + len(corpus) // 2])
         batches = make_batches(
             corpus.src_lens[idx],
             corpus.tgt_lens[idx],

@@ -235,7 +235,7 @@ def describe_run(
     if tc.bidirectional_epochs:
         log.info(
             "bidirectional training: the first %d epoch%s also train every pair reversed (target "
-            "to source), twice the batches of a later epoch",
+            "to source): about twice the batches of a later epoch",
             tc.bidirectional_epochs,
             "s" if tc.bidirectional_epochs > 1 else "",
         )

@@ -47,7 +47,8 @@ class BenchData:
         self, max_tokens: int, *, seed: int, epoch: int = 1, limit: int | None = None
     ) -> list[Batch]:
         """The first `limit` (default: all) of one epoch's training batches of at most
-        `max_tokens` tokens, collated: the batches the training loop would take."""
+        `max_tokens` tokens, collated: the batches the training loop would take (without subword
+        sampling or bidirectional training)."""
         idx, train = self.data.train_idx, self.data.train
         order = make_batches(
             train.src_lens[idx], train.tgt_lens[idx], max_tokens, seed=seed, epoch=epoch
