@@ -9,7 +9,6 @@ import os
 import random
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,7 @@ from transformer_mt.data import (
     word_dropout,
 )
 from transformer_mt.tokenizer import train_tokenizer
+from transformer_mt.train import TrainState
 from transformer_mt.vocab import BOS, EOS, PAD, UNK
 
 WORDS = (
@@ -681,12 +681,6 @@ def test_both_ways_appends_every_pair_reversed():
     assert [both.tgt(i).tolist() for i in range(6)] == tgt + src
 
 
-@dataclass
-class Position:
-    epoch: int = 1
-    batch_in_epoch: int = 0
-
-
 def bidirectional_corpus() -> tuple[TrainingData, list[tuple], list[tuple]]:
     """40 pairs whose source and target ids come from disjoint ranges (the direction shows);
     pair 0 is left out of the usable ones. Returns the data and the usable pairs both ways."""
@@ -718,11 +712,11 @@ def test_bidirectional_epochs_train_every_usable_pair_both_ways_then_forward_onl
 def test_resuming_inside_a_bidirectional_run_streams_what_the_whole_run_streams():
     td, _, _ = bidirectional_corpus()
     tc = TrainConfig(max_tokens=32, max_epochs=3, bidirectional_epochs=1)
-    whole = [b.src.tolist() for b, _ in EpochBatches(td, tc).stream(Position())]
+    whole = [b.src.tolist() for b, _ in EpochBatches(td, tc).stream(TrainState())]
     n = [len(EpochBatches(td, tc).epoch(e)) for e in (1, 2, 3)]
     assert len(whole) == sum(n) and n[0] > n[1]
     for epoch, skip in ((1, 2), (2, 1)):
-        resumed = EpochBatches(td, tc).stream(Position(epoch=epoch, batch_in_epoch=skip))
+        resumed = EpochBatches(td, tc).stream(TrainState(epoch=epoch, batch_in_epoch=skip))
         assert [b.src.tolist() for b, _ in resumed] == whole[sum(n[: epoch - 1]) + skip :]
 
 

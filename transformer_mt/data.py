@@ -715,7 +715,7 @@ class EpochBatches:
             corpus = self.data.train
             if self.data.segmentations is not None:
                 corpus = self.data.segmentations.corpus(epoch)
-            if self.bidirectional(epoch):  # a copy in memory (a few ms a million tokens)
+            if self.bidirectional(epoch):  # a copy of both sides' ids, in memory
                 corpus = both_ways(corpus)
             self._cached = (epoch, corpus)
         return self._cached[1]
