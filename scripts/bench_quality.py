@@ -57,7 +57,7 @@ from scripts.benchlib import (
     write_json,
     write_section,
 )
-from transformer_mt.checkpoint import step_checkpoints
+from transformer_mt.checkpoint import ensemble_members, step_checkpoints
 from transformer_mt.data import DataError
 from transformer_mt.fileio import atomic_write
 
@@ -137,19 +137,43 @@ class Snapshots:
             self.take((time.perf_counter() - self.started) / 60)
 
     def take(self, minutes: float) -> None:
-        """Copy the newest step checkpoint for every mark passed by `minutes` and not yet taken."""
+        """Copy the newest step checkpoint for every mark passed by `minutes` and not yet taken (of
+        every member, in an ensemble run)."""
         due = [m for m in self.marks if m <= minutes and m not in self.taken]
-        steps = step_checkpoints(self.run_dir) if due else []
-        for mark in due if steps else ():  # nothing saved yet: try again at the next poll
-            dest = self.run_dir / "checkpoints" / f"at_{mark:g}min.pt"
-            with open(steps[-1], "rb") as src:
-                atomic_write(dest, lambda f: shutil.copyfileobj(src, f))
-            self.taken[mark] = dest
+        newest = [step_checkpoints(d)[-1:] for d in model_dirs(self.run_dir)] if due else []
+        for mark in due if newest and all(newest) else ():  # nothing saved yet: the next poll
+            try:
+                for (path,) in newest:
+                    with open(path, "rb") as src:
+                        dest = path.parent / f"at_{mark:g}min.pt"
+                        atomic_write(dest, lambda f: shutil.copyfileobj(src, f))
+            except FileNotFoundError:  # rotated away since it was listed: the next poll
+                return
+            self.taken[mark] = newest[0][0].parent / f"at_{mark:g}min.pt"
+
+
+def model_dirs(run_dir: Path) -> list[Path]:
+    """The run directories of the run's models: its members' for an ensemble, else its own."""
+    return ensemble_members(run_dir) or [run_dir]
 
 
 def train_state(run_dir: Path) -> dict:
     """The loop's state in the run's last checkpoint: steps, epochs, seconds, precision."""
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]
+
+
+def ensemble_facts(run_dir: Path) -> dict:
+    """An ensemble run's own figures ({} for one model): each member's steps and validation, and
+    the ensemble's validation BLEU (from RUN/ensemble.json, which `tmt train` writes)."""
+    members = ensemble_members(run_dir)
+    if not members:
+        return {}
+    summary = read_json(run_dir / "ensemble.json")
+    return {
+        "ensemble": len(members),
+        "member_steps": [train_state(d)["step"] for d in members],
+        "ensemble_valid_bleu": summary.get("valid_bleu"),
+    }
 
 
 def train_and_evaluate(
@@ -159,16 +183,22 @@ def train_and_evaluate(
     checkpoint on the test set with the run's own beam."""
     minutes = train_clean(config, run_dir, overrides, marks=TEST_MARKS) if train else None
     result = evaluate_checkpoint(run_dir, test=test)
-    state = train_state(run_dir)
+    # an ensemble's: every model's updates and tokens, side by side in the same seconds
+    states = [train_state(d) for d in model_dirs(run_dir)]
+    seconds = max(s["seconds"] for s in states)
+    evaluated = [Path(p) for p in result.get("ensemble", [result["checkpoint"]])]
     result.update(
-        train_minutes=minutes or round(state["seconds"] / 60, 1),
-        steps=state["step"],
-        epochs=state["epoch"],
-        tgt_tok_per_s=round(state["target_tokens"] / max(state["seconds"], 1e-9)),
-        evaluated=Path(result["checkpoint"]).name,
-        trained_precision=state.get("precision") or "?",
+        train_minutes=minutes or round(seconds / 60, 1),
+        steps=sum(s["step"] for s in states),
+        epochs=max(s["epoch"] for s in states),
+        tgt_tok_per_s=round(sum(s["target_tokens"] for s in states) / max(seconds, 1e-9)),
+        evaluated=" + ".join(
+            f"{p.parent.parent.name}/{p.name}" if len(evaluated) > 1 else p.name for p in evaluated
+        ),
+        trained_precision=states[0].get("precision") or "?",
         valid_bleu_by_minute=valid_bleu_by_minute(run_dir),
         test_bleu_by_minute=test_bleu_by_minute(run_dir, test),
+        **ensemble_facts(run_dir),
     )
     return result
 
@@ -178,16 +208,26 @@ def test_bleu_by_minute(run_dir: Path, test: Path) -> dict[str, dict]:
     mark (the newest step checkpoint then, unaveraged), keyed by minute."""
     out = {}
     for mark in TEST_MARKS:
-        path = run_dir / "checkpoints" / f"at_{mark:g}min.pt"
-        if path.exists():
-            r = evaluate_checkpoint(path, test=test)
+        paths = [d / "checkpoints" / f"at_{mark:g}min.pt" for d in model_dirs(run_dir)]
+        if all(p.exists() for p in paths):
+            r = evaluate_checkpoint(paths, test=test)
             out[f"{mark:g}"] = {k: r[k] for k in ("step", "bleu", "tokenized_bleu") if k in r}
+            if len(paths) > 1:  # an ensemble: every member's step
+                out[f"{mark:g}"]["step"] = [torch.load(p, weights_only=True)["step"] for p in paths]
     return out
 
 
-def valid_bleu_by_minute(run_dir: Path, marks: tuple[int, ...] = (20, 40, 60)) -> dict[str, float]:
+def valid_bleu_by_minute(
+    run_dir: Path, marks: tuple[int, ...] = (20, 40, 60)
+) -> dict[str, float | str]:
     """The validation BLEU of the last validation at or before each mark, in minutes from the run's
-    first event (set-up before it is not counted), from its tb/ events."""
+    first event (set-up before it is not counted), from its tb/ events; an ensemble's members',
+    as "a / b"."""
+    members = ensemble_members(run_dir)
+    if members:
+        each = [valid_bleu_by_minute(d, marks) for d in members]
+        common = [str(m) for m in marks if all(str(m) in e for e in each)]
+        return {m: " / ".join(f"{e[m]:.2f}" for e in each) for m in common}
     scalars = tb_scalars(run_dir)
     events = scalars.get("valid/bleu", [])
     if not events:
@@ -212,7 +252,8 @@ def budget_race(
     """Ours and fairseq with the same model, regularisation and schedule for `minutes` each
     (BUDGET_SETTINGS): rows for each toolkit's last checkpoint and the one its own selection
     keeps."""
-    train_clean(config, run_dir, [*BUDGET_SETTINGS, f"train.max_minutes={minutes}", *extra])
+    one = "train.ensemble=1"  # fairseq trains one model, whatever the recipe or --set say
+    train_clean(config, run_dir, [*BUDGET_SETTINGS, f"train.max_minutes={minutes}", *extra, one])
     state = train_state(run_dir)
     rows = []
     for selection, name in (("last", "last.pt"), ("own best", "best.pt")):
@@ -276,14 +317,15 @@ def precision_check(
     """The recipe in fp32 for `steps` updates beside the recipe run when it trained in bf16 (same
     seed and batches); None when it trained in fp32 (precision auto's choice on a CPU without fast
     bf16)."""
-    precision = train_state(recipe_dir).get("precision") or "?"
+    precision = train_state(model_dirs(recipe_dir)[0]).get("precision") or "?"
     if precision != "bf16":
         log(f"precision check skipped: {recipe_dir} trained in {precision}, not bf16")
         return None
     fp32 = ["train.precision=fp32", f"train.max_steps={steps}", "train.max_minutes=0"]
-    fp32 += ["train.average_last=0", "train.save_every=0", "train.keep_last=0"]
+    fp32 += ["train.average_last=0", "train.save_every=0", "train.keep_last=0", "train.ensemble=1"]
     train_clean(config, run_dir, [*extra, *fp32])
-    bf16, fp32_bleu = valid_bleu_by_step(recipe_dir), valid_bleu_by_step(run_dir)
+    bf16 = valid_bleu_by_step(model_dirs(recipe_dir)[0])  # an ensemble's first member: same seed
+    fp32_bleu = valid_bleu_by_step(run_dir)
     rows = [
         {"step": k, "bf16": bf16[k], "fp32": fp32_bleu[k], "diff": round(bf16[k] - fp32_bleu[k], 2)}
         for k in sorted(set(bf16) & set(fp32_bleu))
@@ -308,6 +350,7 @@ RECIPE_KEYS = [
     ("train", "word_dropout"),
     ("train", "r_drop"),
     ("train", "bidirectional_epochs"),
+    ("train", "ensemble"),
     ("train", "precision"),
     ("train", "max_minutes"),
     ("train", "save_every"),
@@ -375,6 +418,13 @@ def both_bleus(r: dict) -> str:
     return f"{r['bleu']:.2f}" + (f" / {r['tokenized_bleu']:.2f}" if "tokenized_bleu" in r else "")
 
 
+def steps_text(step: int | list[int]) -> str:
+    """ "step 1,234", or an ensemble's "steps 1,234 and 1,230" (one a member)."""
+    if isinstance(step, list):
+        return "steps " + " and ".join(f"{s:,}" for s in step)
+    return f"step {step:,}"
+
+
 def report(res: dict) -> list[str]:
     """The `quality` section's blocks, from the JSON alone."""
     blocks = ["## Quality (Multi30k En→De, test_2016_flickr, 1,000 sentences)"]
@@ -430,12 +480,28 @@ def recipe_blocks(res: dict, r: dict) -> list[str]:
             f"Beside it, the literature's measure: **tokenized BLEU {r['tokenized_bleu']:.2f}** "
             f"(sacreBLEU {r['bleu']:.2f}), {r['tokenized_bleu_description']}."
         )
+    if r.get("ensemble"):
+        valid = r.get("ensemble_valid_bleu")
+        blocks.append(
+            f"An ensemble of {r['ensemble']} models trained side by side (`train.ensemble`), each "
+            f"on its share of the cores: {steps_text(r['member_steps'])} updates (the steps column "
+            "counts them all)"
+            + (
+                ""
+                if valid is None
+                else f"; validation BLEU (greedy, whole dev set) {valid:.2f} for the ensemble"
+            )
+            + "."
+        )
     if by := r.get("test_bleu_by_minute"):
-        marks = "; ".join(f"{m} min (step {v['step']:,}): {both_bleus(v)}" for m, v in by.items())
+        marks = "; ".join(
+            f"{m} min ({steps_text(v['step'])}): {both_bleus(v)}" for m, v in by.items()
+        )
+        end = steps_text(r.get("member_steps", r["step"]))
         blocks.append(
             "Test BLEU on the way (the newest step checkpoint as each mark passed, minutes from "
             f"launch with set-up, not averaged; beam {r['beam']}), as sacreBLEU / tokenized BLEU: "
-            f"{marks}; the end ({r['evaluated']}, step {r['step']:,}): {both_bleus(r)}."
+            f"{marks}; the end ({r['evaluated']}, {end}): {both_bleus(r)}."
         )
     if by := r.get("valid_bleu_by_minute"):
         blocks.append(

@@ -99,3 +99,56 @@ def test_the_ceiling_sentence_is_computed_from_the_run_and_names_what_runs_bf16(
 def test_a_result_without_tokenized_bleu_reports_sacrebleu_alone():
     assert bench_quality.both_bleus({"bleu": 30.5}) == "30.50"
     assert bench_quality.both_bleus({"bleu": 30.5, "tokenized_bleu": 31.0}) == "30.50 / 31.00"
+
+
+def test_an_ensemble_run_keeps_every_members_checkpoint_at_a_mark(tmp_path):
+    members = [tmp_path / "members" / str(i) for i in (1, 2)]
+    for m in members:  # as `tmt train` makes them before the members start
+        m.mkdir(parents=True)
+    snaps = bench_quality.Snapshots(tmp_path, (20.0,))
+    write_step(members[0], 500)
+    snaps.take(21.0)  # member 2 has nothing yet: the mark waits for both
+    assert snaps.taken == {}
+    write_step(members[1], 400)
+    write_step(members[1], 450)
+    snaps.take(21.0)
+    assert [(m / "checkpoints" / "at_20min.pt").read_text() for m in members] == [
+        "weights of step 500",
+        "weights of step 450",
+    ]
+
+
+def test_the_report_gives_an_ensembles_member_steps():
+    recipe = {
+        "beam": 5,
+        "bleu": 42.0,
+        "tokenized_bleu": 42.5,
+        "chrf": 65.0,
+        "ter": 44.0,
+        "train_minutes": 59.0,
+        "steps": 22000,
+        "step": 11000,
+        "epochs": 45,
+        "tgt_tok_per_s": 12000,
+        "sentences_per_second": 60,
+        "evaluated": "1/best.pt + 2/best.pt",
+        "bleu_signature": "s",
+        "chrf_signature": "c",
+        "ter_signature": "t",
+        "tokenized_bleu_description": "d",
+        "ensemble": 2,
+        "member_steps": [11000, 10990],
+        "ensemble_valid_bleu": 42.25,
+        "test_bleu_by_minute": {"20": {"step": [3100, 3050], "bleu": 30.5}},
+    }
+    text = "\n\n".join(
+        bench_quality.report(
+            {"recipe": recipe, "recipe_config": "c.yaml", "date": "2026-11-26", "cpu": "X"}
+        )
+    )
+    assert "An ensemble of 2 models trained side by side" in text
+    assert "11,000 and 10,990 updates" in text and "42.25 for the ensemble" in text
+    assert (
+        "20 min (steps 3,100 and 3,050): 30.50; the end (1/best.pt + 2/best.pt, steps 11,000 and "
+        "10,990): 42.00 / 42.50."
+    ) in text

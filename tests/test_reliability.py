@@ -8,84 +8,18 @@ import pickle
 import random
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import WORDS, one_line_error, tmt, wait_for, write_config, write_corpus
 
 from transformer_mt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from transformer_mt.cli import main
 
 # One torch thread (conftest.py): 100,000 sentences decoded on a small, busy machine.
 pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("one_thread")]
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
-
-
-def write_corpus(folder: Path, n_train: int = 300, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", n_train), ("valid", 10), ("test", 10)):
-        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 7))) for _ in range(n)]
-        (folder / f"{split}.en").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
-        (folder / f"{split}.de").write_text(
-            "".join(x.upper() + "\n" for x in lines), encoding="utf-8"
-        )
-    return folder
-
-
-def write_config(path: Path, corpus: Path, run: Path, **train) -> Path:
-    settings = {
-        "max_steps": 60,
-        "valid_every": 10,
-        "log_every": 5,
-        "max_tokens": 512,
-        "warmup": 10,
-        # auto: timed
-        "threads": 1,
-        "keep_last": 2,
-        "device": "cpu",
-        "precision": "fp32",
-        **train,
-    }
-    path.write_text(
-        textwrap.dedent(f"""\
-        data: {{src_lang: en, tgt_lang: de, train: {corpus}/train, valid: {corpus}/valid,
-                test: {corpus}/test}}
-        tokenizer: {{vocab_size: 60}}
-        model: {{d_model: 32, heads: 2, encoder_layers: 1, decoder_layers: 1, d_ff: 64,
-                 max_positions: 64, dropout: 0.1}}
-        decode: {{beam: 2, max_len_b: 5}}
-        output_dir: {run}
-        train: {{{", ".join(f"{k}: {v}" for k, v in settings.items())}}}
-        """),
-        encoding="utf-8",
-    )
-    return path
-
-
-def tmt(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "transformer_mt", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        **kw,
-    )
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"training ended early: {proc.communicate()[1][-2000:]}"
-        assert time.time() < deadline, f"{path} did not appear"
-        time.sleep(0.01)
 
 
 def scalars(run: Path, tag: str = "train/loss") -> dict[int, float]:
@@ -197,7 +131,7 @@ def test_resume_from_an_averaged_checkpoint_names_the_file_that_resumes(tmp_path
     shutil.copy(ckpt_dir / "averaged.pt", ckpt_dir / "best.pt")
     capsys.readouterr()
     for name in ("averaged.pt", "best.pt"):
-        _one_line_error(
+        one_line_error(
             capsys,
             ["-q", "train", str(cfg), "--resume", str(ckpt_dir / name)],
             name,
@@ -300,15 +234,6 @@ def test_checkpoint_with_another_tokenizer_says_so(tmp_path, capsys):
 # --------------------------------------------------------------------------- bad input
 
 
-def _one_line_error(capsys, argv, *needles) -> None:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
-    last = err.splitlines()[-1]
-    for needle in needles:
-        assert needle in last, (needle, err)
-
-
 @pytest.mark.parametrize(
     "yaml_text, needles",
     [
@@ -322,23 +247,23 @@ def _one_line_error(capsys, argv, *needles) -> None:
 )
 def test_config_errors(tmp_path, capsys, yaml_text, needles):
     (tmp_path / "bad.yaml").write_text(yaml_text)
-    _one_line_error(capsys, ["train", str(tmp_path / "bad.yaml")], *needles)
+    one_line_error(capsys, ["train", str(tmp_path / "bad.yaml")], *needles)
 
 
 def test_corpus_errors(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus")
     cfg = write_config(tmp_path / "x.yaml", corpus, tmp_path / "x", max_steps=2)
     (corpus / "train.de").rename(corpus / "moved.de")
-    _one_line_error(capsys, ["train", str(cfg)], "corpus file not found", "train.de")
+    one_line_error(capsys, ["train", str(cfg)], "corpus file not found", "train.de")
     (corpus / "moved.de").rename(corpus / "train.de")
     (corpus / "train.de").write_text("only one line\n")
-    _one_line_error(capsys, ["train", str(cfg)], "train.en", "300 lines", "train.de", "has 1")
+    one_line_error(capsys, ["train", str(cfg)], "train.en", "300 lines", "train.de", "has 1")
     (corpus / "train.en").write_text("")
     (corpus / "train.de").write_text("")
-    _one_line_error(capsys, ["train", str(cfg)], "empty")
+    one_line_error(capsys, ["train", str(cfg)], "empty")
     (corpus / "train.en").write_bytes(b"good line\nbad \xff line\n")
     (corpus / "train.de").write_bytes(b"gut\nschlecht\n")
-    _one_line_error(capsys, ["train", str(cfg)], f"{corpus / 'train.en'}:2", "invalid UTF-8")
+    one_line_error(capsys, ["train", str(cfg)], f"{corpus / 'train.en'}:2", "invalid UTF-8")
 
 
 def test_invalid_utf8_can_be_replaced_and_counted(tmp_path, caplog):
@@ -353,11 +278,11 @@ def test_invalid_utf8_can_be_replaced_and_counted(tmp_path, caplog):
 
 
 def test_checkpoint_path_errors(tmp_path, capsys):
-    _one_line_error(
+    one_line_error(
         capsys, ["evaluate", "--checkpoint", str(tmp_path / "nope.pt")], "not found", "nope.pt"
     )
     (tmp_path / "notes.pt").write_text("just text\n")
-    _one_line_error(
+    one_line_error(
         capsys,
         ["evaluate", "--checkpoint", str(tmp_path / "notes.pt")],
         "notes.pt",
@@ -424,7 +349,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
     )
     assert main(["-q", "train", str(cfg)]) == 0
     # An absurd learning rate overflows the weights within a few updates.
-    _one_line_error(
+    one_line_error(
         capsys,
         [
             "-q",

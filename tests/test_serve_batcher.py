@@ -53,6 +53,7 @@ class Fake:
     and pauses before step `pause_at` until `go` is set when a line reads "pause"."""
 
     checkpoint = Path("/srv/secret/place/run7/checkpoints/best.pt")
+    members: tuple[Path, ...] = ()  # one model, not an ensemble
     step, parameters, name, precision, device, max_positions = (
         10,
         1000,

@@ -75,7 +75,13 @@ def copy_checkpoint(src: Path, dst: Path) -> None:
 
 
 def resume_path(run_dir: Path, resume: str | Path | bool | None) -> Path | None:
-    """The checkpoint to resume from; refuses to start over a run that has checkpoints."""
+    """The checkpoint to resume from; refuses to start over a run that has checkpoints, and to
+    train one model into an ensemble's run directory."""
+    if members := ensemble_members(run_dir):
+        raise UserError(
+            f"{run_dir} holds an ensemble of {len(members)} models (members/): resume it with its "
+            "own config (train.ensemble), or set another output_dir"
+        )
     last = run_dir / "checkpoints" / "last.pt"
     if resume is None or resume is False:
         if last.exists():
@@ -134,24 +140,50 @@ def load_checkpoint(
     return ckpt
 
 
+def ensemble_members(run_dir: str | os.PathLike) -> list[Path]:
+    """The member run directories of an ensemble run (`train.ensemble` > 1: RUN/members/1, 2, …),
+    in order; [] for any other directory."""
+    root = Path(run_dir) / "members"
+    if not root.is_dir():
+        return []
+    members = [p for p in root.iterdir() if p.is_dir() and p.name.isdigit()]
+    return sorted(members, key=lambda p: int(p.name))
+
+
+def _newest_run(runs_dir: str | os.PathLike) -> Path:
+    """The most recently trained run directory under runs_dir (a single model or an ensemble)."""
+    runs_dir = Path(runs_dir)
+    # (last.pt, its run directory): a single model's, or an ensemble member's
+    lasts = [(p, p.parents[1]) for p in runs_dir.glob("*/checkpoints/last.pt")]
+    lasts += [(p, p.parents[3]) for p in runs_dir.glob("*/members/*/checkpoints/last.pt")]
+    if not lasts:
+        raise CheckpointError(
+            f"no trained run found under {runs_dir.resolve()}: train one with `tmt train "
+            "CONFIG`, or pass --checkpoint RUN_DIR_OR_FILE"
+        )
+    return max(lasts, key=lambda found: found[0].stat().st_mtime)[1]
+
+
+def resolve_checkpoints(
+    path: str | os.PathLike | None, runs_dir: str | os.PathLike = "runs"
+) -> list[Path]:
+    """Like resolve_checkpoint, but an ensemble run's directory gives each member's checkpoint."""
+    run = _newest_run(runs_dir) if path is None else Path(path)
+    members = ensemble_members(run) if run.is_dir() else []
+    found = [resolve_checkpoint(m) for m in members] if members else [resolve_checkpoint(run)]
+    if path is None:
+        print(f"tmt: using checkpoint {', '.join(map(str, found))}", file=sys.stderr)
+    return found
+
+
 def resolve_checkpoint(
     path: str | os.PathLike | None, runs_dir: str | os.PathLike = "runs"
 ) -> Path:
     """A checkpoint file, a run directory (its best, else last, checkpoint), or — when None —
-    the best checkpoint of the most recently trained run under ./runs/."""
+    the best checkpoint of the most recently trained run under ./runs/. One model: an ensemble
+    run's directory is refused (resolve_checkpoints takes it)."""
     if path is None:
-        runs = (
-            [p for p in Path(runs_dir).glob("*/checkpoints/last.pt")]
-            if Path(runs_dir).is_dir()
-            else []
-        )
-        if not runs:
-            raise CheckpointError(
-                f"no trained run found under {Path(runs_dir).resolve()}: train one with `tmt train "
-                "CONFIG`, or pass --checkpoint RUN_DIR_OR_FILE"
-            )
-        newest = max(runs, key=lambda p: p.stat().st_mtime).parent.parent
-        found = resolve_checkpoint(newest)
+        found = resolve_checkpoint(_newest_run(runs_dir))
         print(f"tmt: using checkpoint {found}", file=sys.stderr)
         return found
     path = Path(path)
@@ -166,6 +198,12 @@ def resolve_checkpoint(
         ):
             if candidate.is_file():
                 return candidate
+        members = ensemble_members(path)
+        if members:
+            raise CheckpointError(
+                f"{path} is an ensemble of {len(members)} models, and this takes one: pass one "
+                f"member's run directory (e.g. {members[0]})"
+            )
         raise CheckpointError(
             f"{path} is a directory with no checkpoints/best.pt or checkpoints/last.pt"
         )
@@ -459,6 +497,11 @@ def average_run(
     it."""
     paths = step_checkpoints(run_dir)
     n = last or best
+    if not paths and (members := ensemble_members(run_dir)):
+        raise CheckpointError(
+            f"{Path(run_dir)} is an ensemble of {len(members)} models: average one member's "
+            f"checkpoints (e.g. tmt average {members[0]})"
+        )
     if len(paths) < 2 or n < 2:
         raise CheckpointError(
             f"{Path(run_dir)}: need at least 2 step_N.pt checkpoints to average (found "

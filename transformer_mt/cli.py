@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         default=None,
         metavar="CHECKPOINT",
-        help="continue the run in output_dir from its checkpoints/last.pt (or from CHECKPOINT): "
+        help="continue the run in output_dir from its checkpoints/last.pt (or from CHECKPOINT; an "
+        "ensemble: each member from its own): "
         "weights, optimizer, schedule, position in the epoch and random state",
     )
     p.add_argument(
@@ -541,12 +542,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        summary = train(cfg, resume=args.resume, init_from=args.init_from)
+        if cfg.train.ensemble > 1:
+            summary = _train_ensemble(cfg, args)
+        else:
+            summary = train(cfg, resume=args.resume, init_from=args.init_from)
     except TrainingInterrupted as e:
         print(f"tmt: {e}", file=sys.stderr)
         return e.exit_code
     if summary.get("rank", 0) != 0:
         return 0  # under torchrun, rank 0 speaks for the run
+    if "members" in summary:
+        valid = summary.get("valid_bleu")
+        print(
+            f"trained an ensemble of {len(summary['members'])}: "
+            f"{', '.join(f'{s:,}' for s in summary['steps'])} steps in "
+            f"{summary['minutes']:.1f} min"
+            + ("" if valid is None else f"; ensemble validation BLEU {valid:.2f}")
+            + f"; run directory {summary['run_dir']}",
+            file=sys.stderr,
+        )
+        return 0
     print(
         f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best validation "
         f"{summary['best_score']:.2f} at step {summary['best_step']}; run directory "
@@ -554,6 +569,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _train_ensemble(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """`tmt train` of a config with train.ensemble > 1 (members.py)."""
+    from .config import ConfigError
+    from .members import train_ensemble
+
+    if args.init_from is not None:
+        raise ConfigError(
+            "--init-from fine-tunes one model: set train.ensemble: 1, or fine-tune each member"
+        )
+    if args.resume not in (None, True):
+        raise ConfigError(
+            f"--resume {args.resume}: an ensemble resumes each member from its own last.pt; "
+            "give --resume without a checkpoint"
+        )
+    return train_ensemble(cfg, resume=args.resume is True)
 
 
 def cmd_translate(args: argparse.Namespace) -> int:

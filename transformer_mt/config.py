@@ -211,7 +211,11 @@ class TrainConfig:
     # bf16-output: fp32 with the output projection alone in bf16; auto on a CPU measures fp32, bf16
     # and it
     precision: Literal["auto", "fp32", "bf16", "fp16", "bf16-output"] = "auto"
-    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (an ensemble: its share)
+    # Train an ensemble of this many models at once (members.py): each its own process and seed
+    # (train.seed + i), on its share of the CPU's cores (or on the one GPU), sharing the run's
+    # SentencePiece model; translate/evaluate on the run directory decode with all of them.
+    ensemble: int = 1
     # torch.compile the model for training (checkpoints stay loadable without it)
     compile: bool = False
 
@@ -269,6 +273,7 @@ class TrainConfig:
             "to average",
         )
         _check(self.threads >= 0, "train.threads", f"must be >= 0, got {self.threads}")
+        _check(self.ensemble >= 1, "train.ensemble", f"must be >= 1, got {self.ensemble}")
         _check(
             all(0.0 <= b < 1.0 for b in self.adam_betas),
             "train.adam_betas",

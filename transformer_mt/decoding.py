@@ -100,6 +100,7 @@ class Engine:
     parameters: int  # number of model parameters (tied matrices once)
     # Where it came from, when loaded from disk (None for a model in memory)
     checkpoint: Path | None = None
+    members: tuple[Path, ...] = ()  # an ensemble's checkpoints (checkpoint is the first)
     config: Config | None = None
     step: int | None = None
 

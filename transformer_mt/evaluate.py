@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .checkpoint import run_dir_of
 from .config import Config
 from .data import DataError, TrainingData, read_lines, read_split
 from .inference import Translator, load_translator
@@ -61,7 +62,7 @@ def evaluate(
     start = time.perf_counter()
     hyps = translator.translate_text(sources)
     seconds = time.perf_counter() - start
-    hyp_path = Path(output) if output else path.parent / f"{path.stem}.{name}.beam{d.beam}.hyp"
+    hyp_path = Path(output) if output else _hypotheses_file(translator, f"{name}.beam{d.beam}.hyp")
     hyp_path.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     lang = translator.config.data.tgt_lang
     result = score(
@@ -81,11 +82,24 @@ def evaluate(
     return result
 
 
+def _hypotheses_file(translator: Translator, suffix: str) -> Path:
+    """Where evaluate writes its hypotheses by default: next to the checkpoint; an ensemble run's
+    in its directory (ensemble.SUFFIX), other ensembles next to their first checkpoint."""
+    path, members = translator.checkpoint, translator.members
+    if not members:
+        return path.parent / f"{path.stem}.{suffix}"
+    parents = {run_dir_of(m).parent for m in members}
+    if len(parents) == 1 and next(iter(parents)).name == "members":
+        return next(iter(parents)).parent / f"ensemble.{suffix}"
+    return path.parent / f"{path.stem}.ensemble{len(members)}.{suffix}"
+
+
 def _how(translator: Translator, sentences: int, seconds: float) -> dict[str, Any]:
     """What was decoded, with what and how fast: the facts beside the scores."""
     d = translator.defaults
     return {
         "checkpoint": str(translator.checkpoint),
+        **({"ensemble": [str(m) for m in translator.members]} if translator.members else {}),
         "step": translator.step,
         "beam": d.beam,
         "alpha": d.alpha,

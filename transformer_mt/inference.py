@@ -79,6 +79,10 @@ class Translator:
         return self.engine.checkpoint
 
     @property
+    def members(self) -> tuple[Path, ...]:
+        return self.engine.members
+
+    @property
     def config(self) -> Config | None:
         return self.engine.config
 

@@ -308,16 +308,21 @@ class Meter:
 
 class StopSignals:
     """SIGINT/SIGTERM ask the loop to finish its step and write last.pt (`caught` names the signal);
-    a second one stops at once. Outside the main thread (no signals there) it does nothing."""
+    a second one stops at once, unless it comes within `grace` seconds of the first (an ensemble's
+    member may be signalled directly and through its parent: one request). Outside the main thread
+    (no signals there) it does nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float = 0.0) -> None:
         self.caught: str | None = None
         self.previous: dict[int, Any] = {}
+        self.grace, self.first = grace, 0.0
 
     def handler(self, signum: int, frame: Any) -> None:
         if self.caught is not None:
+            if time.monotonic() - self.first < self.grace:
+                return
             raise KeyboardInterrupt
-        self.caught = signal.Signals(signum).name
+        self.caught, self.first = signal.Signals(signum).name, time.monotonic()
         tqdm.write(
             f"tmt: {self.caught}: finishing this step and writing last.pt (press Ctrl-C again to "
             "stop at once)"

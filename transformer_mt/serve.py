@@ -698,11 +698,13 @@ def translation_json(
 
 def checkpoint_name(path: Path | None) -> str | None:
     """RUN/FILE: which model this is, without the server's directories (…/RUN/checkpoints/FILE or
-    …/RUN/FILE)."""
+    …/RUN/FILE; an ensemble run's member RUN/members/N/FILE)."""
     if path is None:
         return None
     path = Path(path)
     run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    if run.parent.name == "members":
+        return f"{run.parent.parent.name}/members/{run.name}/{path.name}"
     return f"{run.name}/{path.name}"
 
 
@@ -713,6 +715,11 @@ def model_info(translator: Translator, limits: Limits = Limits()) -> dict[str, A
         "checkpoint": name,
         "run": name.split("/")[0] if name else None,
         "step": translator.step,
+        **(
+            {"ensemble": [checkpoint_name(m) for m in translator.members]}
+            if translator.members
+            else {}
+        ),
         "source_language": cfg.data.src_lang,
         "target_language": cfg.data.tgt_lang,
         "model": cfg.to_dict()["model"],

@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -169,6 +169,10 @@ class Trainer:
             lambda: (self.state.cooldown_start, self.state.cooldown_end),
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        # told (step, planned last step) after every update: an ensemble's member reports to its
+        # parent (members.py)
+        self.on_update: Callable[[int, int], None] | None = None
+        self.signal_grace = 0.0  # seconds in which a repeated signal is the same request
         if resumed is not None:
             self._restore(resume_from, resumed)
 
@@ -217,7 +221,7 @@ class Trainer:
         since = self.state.step, self.minutes()  # this process's step rate, for the cooldown's plan
         validated_at, fired = -1, []
         self.model.train()
-        with StopSignals() as signals:
+        with StopSignals(self.signal_grace) as signals:
             while not fired:
                 pairs = list(itertools.islice(batches, tc.accumulate))
                 if not pairs:
@@ -243,6 +247,8 @@ class Trainer:
         self.state.step += 1
         self.state.target_tokens += tokens
         bar.update(1)
+        if self.on_update is not None:
+            self.on_update(self.state.step, bar.total or 0)
 
     def _check_limits(
         self, bar: tqdm, signals: StopSignals, since: tuple[int, float]

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, load_for_inference, resolve_checkpoint, run_dir_of
+from .checkpoint import CheckpointError, load_for_inference, resolve_checkpoints, run_dir_of
 from .config import Config, ConfigError
 from .data import pad_sources
 from .decoding import DecodeOptions, Engine
@@ -109,12 +109,13 @@ def load_torch_engine(
             "only: add --device cpu, or use bf16/fp16 on the GPU"
         )
     paths = [
-        resolve_checkpoint(c)
+        found
         for c in (
             [checkpoint]
             if checkpoint is None or isinstance(checkpoint, (str, os.PathLike))
             else checkpoint
         )
+        for found in resolve_checkpoints(c)  # an ensemble run's directory: all its members
     ]
     target = pick_device(device)
     loaded = [load_for_inference(p, target) for p in paths]
@@ -138,6 +139,7 @@ def load_torch_engine(
             precision = "fp32"
     engine = TorchEngine(model, tokenizer, device=target, precision=precision)
     engine.checkpoint, engine.config, engine.step = paths[0], cfg, ckpt.get("step")
+    engine.members = tuple(paths) if len(paths) > 1 else ()
     return engine
 
 

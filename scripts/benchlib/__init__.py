@@ -186,11 +186,15 @@ def run_test_source(run_dir: Path) -> Path:
     return text_file(str(ROOT / data.test), data.src_lang)
 
 
-def evaluate_checkpoint(checkpoint: Path, *flags: str, test: str | Path = TEST_PREFIX) -> dict:
-    """`tmt evaluate --json` of a checkpoint (or run directory) on a test set (test_2016_flickr
-    unless `test` names another prefix), with extra flags."""
+def evaluate_checkpoint(
+    checkpoint: Path | list[Path], *flags: str, test: str | Path = TEST_PREFIX
+) -> dict:
+    """`tmt evaluate --json` of a checkpoint (or run directory; a list of them: an ensemble) on a
+    test set (test_2016_flickr unless `test` names another prefix), with extra flags."""
     src, ref = src_ref_files(test)
-    cmd = [*TMT, "evaluate", "--checkpoint", str(checkpoint), "--src", str(src), "--ref", str(ref)]
+    paths = checkpoint if isinstance(checkpoint, list) else [checkpoint]
+    cmd = [*TMT, "evaluate", *(a for p in paths for a in ("--checkpoint", str(p)))]
+    cmd += ["--src", str(src), "--ref", str(ref)]
     out = subprocess.run(
         [*cmd, "--json", *flags], cwd=ROOT, check=True, capture_output=True, text=True
     )
