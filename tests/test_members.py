@@ -20,6 +20,7 @@ from transformer_mt.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
     resolve_checkpoints,
+    validation_score,
 )
 from transformer_mt.config import ConfigError, load_config
 from transformer_mt.members import core_shares, member_config
@@ -153,6 +154,9 @@ def test_an_ensemble_trains_its_members_and_decodes_as_one(tmp_path):
     assert any(not torch.equal(a[k], b[k]) for k in a), "two seeds trained the same weights"
     summary = json.loads((run / "ensemble.json").read_text())
     assert [m["steps"] for m in summary["members"]] == [20, 20]
+    for i, m in enumerate(summary["members"], 1):  # what each member's best.pt validated
+        best_pt = load_checkpoint(run / "members" / str(i) / "checkpoints" / "best.pt")
+        assert m["best_score"] == validation_score(best_pt["metrics"])
     assert 0 <= summary["valid_bleu"] <= 100
 
     # the run directory (also as the newest run under ./runs/) decodes as the ensemble of its

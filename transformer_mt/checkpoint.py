@@ -538,16 +538,16 @@ def average_last(
     n: int,
     validate: Callable[[dict[str, Any]], dict[str, float]],
     best_score: float,
-) -> None:
+) -> float | None:
     """At the end of training (train.average_last): average the newest n step checkpoints into
     averaged.pt (average_run), with the metrics `validate` gives its weights; it becomes best.pt if
-    it validates better than `best_score`."""
+    it validates better than `best_score`. Its score if it did, else None."""
     found = len(step_checkpoints(run_dir)[-n:])
     if found < 2:
         log.warning(
             "train.average_last=%d: only %d step checkpoint(s) to average; skipped", n, found
         )
-        return
+        return None
     metrics: dict[str, float] = {}
     path, steps = average_run(
         run_dir, last=n, validate=lambda w: metrics.update(validate(w)) or metrics
@@ -563,3 +563,4 @@ def average_last(
         " ".join(f"{k} {v:.2f}" for k, v in metrics.items()),
         " (best: now best.pt)" if better else "",
     )
+    return current if better else None

@@ -562,9 +562,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
+    averaged = " (the average of the last checkpoints)" if summary.get("best_averaged") else ""
     print(
         f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best validation "
-        f"{summary['best_score']:.2f} at step {summary['best_step']}; run directory "
+        f"{summary['best_score']:.2f} at step {summary['best_step']}{averaged}; run directory "
         f"{summary['run_dir']}",
         file=sys.stderr,
     )

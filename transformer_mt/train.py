@@ -343,12 +343,16 @@ class Trainer:
             log.info("stopped: %s", stopped)
             if len(fired) > 1:
                 log.info("(also: %s)", "; ".join(stop.text(tc) for stop in fired[1:]))
-            if tc.average_last > 1:
-                average_last(
-                    self.run_dir, tc.average_last, self._validate_weights, self.state.best_score
-                )
+        averaged = None
+        if self.dist.main and tc.average_last > 1:
+            averaged = average_last(
+                self.run_dir, tc.average_last, self._validate_weights, self.state.best_score
+            )
         self.writer.close()
-        return self.state.summary(stopped, self.minutes(), self.run_dir, self.dist.rank)
+        summary = self.state.summary(stopped, self.minutes(), self.run_dir, self.dist.rank)
+        if averaged is not None:  # best.pt is now the average: the summary says what it scored
+            summary.update(best_score=averaged, best_step=self.state.step, best_averaged=True)
+        return summary
 
     def minutes(self) -> float:
         """Training wall-clock so far (set-up included), summed over resumed runs."""
