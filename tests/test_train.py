@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.checkpoint import load_for_inference, validation_score
 from transformer_mt.config import config_from_dict
 from transformer_mt.data import collate, read_split
 from transformer_mt.errors import TrainingDiverged
@@ -325,10 +325,14 @@ def test_time_budget_stops_training_and_keeps_the_weights(copy_config, tmp_path)
 
 
 def test_training_averages_the_last_checkpoints(copy_config, tmp_path):
-    Trainer(copy_config(max_steps=6, valid_every=2, keep_last=3, average_last=3)).train()
+    summary = Trainer(copy_config(max_steps=6, valid_every=2, keep_last=3, average_last=3)).train()
     averaged = torch.load(tmp_path / "run" / "checkpoints" / "averaged.pt", weights_only=True)
     assert averaged["averaged_steps"] == [2, 4, 6]
     assert "loss" in averaged["metrics"]
+    # the summary's best is what best.pt holds, the average or not
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)
+    assert summary["best_score"] == validation_score(best["metrics"])
+    assert summary.get("best_averaged", False) == ("averaged_steps" in best)
 
 
 def test_save_every_writes_step_checkpoints_between_validations(copy_config, tmp_path):
