@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -185,14 +186,30 @@ ENDLESS = dict(max_steps=100000, max_minutes=3, valid_every=10, keep_last=100000
 
 
 @contextlib.contextmanager
-def _stopped_on_failure(proc):
-    """Kill `tmt train` if the test fails midway: its members notice and stop too."""
+def _stopped_on_failure(proc, only_on_error: bool = False):
+    """Kill `tmt train` if it still runs when the block ends (only if the block raised, with
+    `only_on_error`): its members notice and stop too."""
+    failed = True
     try:
         yield
+        failed = False
     finally:
-        if proc.poll() is None:
+        if (failed or not only_on_error) and proc.poll() is None:
             proc.kill()
             proc.wait(timeout=60)
+
+
+def _training_past_step_10(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen]:
+    """An ENDLESS ensemble training in a subprocess, once both members have saved step 10: its
+    config, run directory and process."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "e.yaml", corpus, run, **ENDLESS)
+    proc = tmt("train", str(cfg))
+    with _stopped_on_failure(proc, only_on_error=True):
+        for i in (1, 2):
+            wait_for(run / "members" / str(i) / "checkpoints" / "step_10.pt", proc)
+    return cfg, run, proc
 
 
 def _member_stopped(run: Path, i: int, timeout: float = 120) -> int:
@@ -207,13 +224,8 @@ def _member_stopped(run: Path, i: int, timeout: float = 120) -> int:
 
 @pytest.mark.reliability
 def test_sigterm_reaches_every_member_and_resume_continues_each(tmp_path):
-    corpus = write_corpus(tmp_path / "corpus")
-    cfg = write_config(tmp_path / "s.yaml", corpus, tmp_path / "s", **ENDLESS)
-    run = tmp_path / "s"
-    proc = tmt("train", str(cfg))
+    cfg, run, proc = _training_past_step_10(tmp_path)
     with _stopped_on_failure(proc):
-        for i in (1, 2):
-            wait_for(run / "members" / str(i) / "checkpoints" / "step_10.pt", proc)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
@@ -238,13 +250,8 @@ def test_sigterm_reaches_every_member_and_resume_continues_each(tmp_path):
 
 @pytest.mark.reliability
 def test_members_stop_and_save_when_the_parent_is_killed(tmp_path):
-    corpus = write_corpus(tmp_path / "corpus")
-    cfg = write_config(tmp_path / "k.yaml", corpus, tmp_path / "k", **ENDLESS)
-    run = tmp_path / "k"
-    proc = tmt("train", str(cfg))
+    _, run, proc = _training_past_step_10(tmp_path)
     with _stopped_on_failure(proc):
-        for i in (1, 2):
-            wait_for(run / "members" / str(i) / "checkpoints" / "step_10.pt", proc)
         os.kill(proc.pid, signal.SIGKILL)  # no handler runs: the members notice on their own
         proc.wait(timeout=60)
         assert all(_member_stopped(run, i) >= 10 for i in (1, 2))
