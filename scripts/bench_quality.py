@@ -162,20 +162,6 @@ def train_state(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]
 
 
-def ensemble_facts(run_dir: Path) -> dict:
-    """An ensemble run's own figures ({} for one model): each member's steps and validation, and
-    the ensemble's validation BLEU (from RUN/ensemble.json, which `tmt train` writes)."""
-    members = ensemble_members(run_dir)
-    if not members:
-        return {}
-    summary = read_json(run_dir / "ensemble.json")
-    return {
-        "ensemble": len(members),
-        "member_steps": [train_state(d)["step"] for d in members],
-        "ensemble_valid_bleu": summary.get("valid_bleu"),
-    }
-
-
 def train_and_evaluate(
     config: str, run_dir: Path, overrides: list[str], test: Path, train: bool = True
 ) -> dict:
@@ -186,7 +172,8 @@ def train_and_evaluate(
     # an ensemble's: every model's updates and tokens, side by side in the same seconds
     states = [train_state(d) for d in model_dirs(run_dir)]
     seconds = max(s["seconds"] for s in states)
-    evaluated = [Path(p) for p in result.get("ensemble", [result["checkpoint"]])]
+    # evaluate's list of an ensemble's checkpoints; "ensemble" becomes their count below
+    evaluated = [Path(p) for p in result.pop("ensemble", [result["checkpoint"]])]
     result.update(
         train_minutes=minutes or round(seconds / 60, 1),
         steps=sum(s["step"] for s in states),
@@ -198,8 +185,13 @@ def train_and_evaluate(
         trained_precision=states[0].get("precision") or "?",
         valid_bleu_by_minute=valid_bleu_by_minute(run_dir),
         test_bleu_by_minute=test_bleu_by_minute(run_dir, test),
-        **ensemble_facts(run_dir),
     )
+    if len(states) > 1:  # an ensemble: each member's steps, the ensemble's validation (tmt train's)
+        result.update(
+            ensemble=len(states),
+            member_steps=[s["step"] for s in states],
+            ensemble_valid_bleu=read_json(run_dir / "ensemble.json").get("valid_bleu"),
+        )
     return result
 
 

@@ -37,6 +37,7 @@ from .errors import TrainingInterrupted, UserError
 from .fileio import atomic_write
 from .inference import load_translator
 from .metrics import score
+from .runtime import SignalScope
 
 log = logging.getLogger("transformer_mt")
 
@@ -228,12 +229,12 @@ def _watch(procs: list[Any], forwarded: _Forwarded, progress: Any, bar: tqdm) ->
     return failed
 
 
-class _Forwarded:
+class _Forwarded(SignalScope):
     """While members train: SIGINT/SIGTERM to this process go on to every member (each runs in a
     session of its own, so a terminal's Ctrl-C reaches it once, through here)."""
 
     def __init__(self, procs: list[Any]):
-        self.procs, self.caught, self.previous = procs, None, {}
+        self.procs, self.caught = procs, None
 
     def handler(self, signum: int, frame: Any) -> None:
         self.caught = signal.Signals(signum).name
@@ -244,17 +245,6 @@ class _Forwarded:
             if p.pid is not None and p.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signum)
-
-    def __enter__(self) -> _Forwarded:
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {
-                s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)
-            }
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, h in self.previous.items():
-            signal.signal(s, h)
 
 
 def _member_main(

@@ -306,7 +306,29 @@ class Meter:
         self.reset(step + 1)
 
 
-class StopSignals:
+class SignalScope:
+    """While entered (in the main thread: signals reach no other), SIGINT and SIGTERM go to
+    `handler`; the handlers before come back on exit."""
+
+    previous: dict[int, Any]
+
+    def handler(self, signum: int, frame: Any) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {
+                sig: signal.signal(sig, self.handler) for sig in (signal.SIGINT, signal.SIGTERM)
+            }
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, h in self.previous.items():
+            signal.signal(sig, h)
+
+
+class StopSignals(SignalScope):
     """SIGINT/SIGTERM ask the loop to finish its step and write last.pt (`caught` names the signal);
     a second one stops at once, unless it comes within `grace` seconds of the first (an ensemble's
     member may be signalled directly and through its parent: one request). Outside the main thread
@@ -314,7 +336,6 @@ class StopSignals:
 
     def __init__(self, grace: float = 0.0) -> None:
         self.caught: str | None = None
-        self.previous: dict[int, Any] = {}
         self.grace, self.first = grace, 0.0
 
     def handler(self, signum: int, frame: Any) -> None:
@@ -327,14 +348,3 @@ class StopSignals:
             f"tmt: {self.caught}: finishing this step and writing last.pt (press Ctrl-C again to "
             "stop at once)"
         )
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {
-                sig: signal.signal(sig, self.handler) for sig in (signal.SIGINT, signal.SIGTERM)
-            }
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, h in self.previous.items():
-            signal.signal(sig, h)
