@@ -185,15 +185,20 @@ def test_an_ensemble_trains_its_members_and_decodes_as_one(tmp_path):
 ENDLESS = dict(max_steps=100000, max_minutes=3, valid_every=10, keep_last=100000, ensemble=2)
 
 
+def _kill(proc) -> None:
+    """Kill `tmt train` if it still runs: its members notice and stop too."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=60)
+
+
 @contextlib.contextmanager
 def _stopped_on_failure(proc):
-    """Kill `tmt train` if the test fails midway: its members notice and stop too."""
+    """Kill `tmt train` if it still runs when the block ends (the test failed midway)."""
     try:
         yield
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
+        _kill(proc)
 
 
 def _training_past_step_10(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen]:
@@ -207,8 +212,7 @@ def _training_past_step_10(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen
         for i in (1, 2):
             wait_for(run / "members" / str(i) / "checkpoints" / "step_10.pt", proc)
     except BaseException:  # the caller never gets the process: stop it here
-        proc.kill()
-        proc.wait(timeout=60)
+        _kill(proc)
         raise
     return cfg, run, proc
 
