@@ -333,6 +333,7 @@ RECIPE_KEYS = [
     ("model", "heads"),
     ("model", "dropout"),
     ("model", "norm"),
+    ("model", "norm_type"),
     ("tokenizer", "vocab_size"),
     ("train", "max_tokens"),
     ("train", "warmup"),

@@ -469,3 +469,18 @@ def test_the_transformers_export_of_the_demo_model_translates_as_ours(demo):
     same = sum(a == b for a, b in zip(got, want))
     assert same >= 0.99 * len(sources), [(a, b) for a, b in zip(got, want) if a != b][:3]
     assert _bleu(want, demo["references"]) > 30  # agreement on translations, not on noise
+
+
+def test_a_scale_norm_model_is_refused_by_name():
+    """CTranslate2's Transformer has LayerNorm (gamma, beta) only: ScaleNorm would be lost."""
+    import ctranslate2
+
+    from transformer_mt.config import ModelConfig
+    from transformer_mt.model import Transformer
+
+    cfg = ModelConfig(
+        d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32, norm_type="scale"
+    )
+    model = Transformer(cfg, 20, 20, joint_vocab=True)
+    with pytest.raises(ExportError, match="model.norm_type"):
+        export.model_spec(ctranslate2, model, tokenizer=None)

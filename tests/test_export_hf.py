@@ -126,3 +126,17 @@ def test_missing_extra_names_it(monkeypatch, tmp_path, capsys):
     assert main(args) == 2
     assert "pip install 'transformer-mt[hf]'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_scale_norm_model_is_refused_by_name():
+    """Marian has LayerNorm only: a ScaleNorm model would not export as itself."""
+    from transformer_mt.config import ModelConfig
+    from transformer_mt.export_hf import marian_model
+    from transformer_mt.model import Transformer
+
+    cfg = ModelConfig(
+        d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32, norm_type="scale"
+    )
+    model = Transformer(cfg, 20, 20, joint_vocab=True)
+    with pytest.raises(UserError, match="model.norm_type"):
+        marian_model(transformers, model, tokenizer=None)

@@ -2,10 +2,17 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from transformer_mt.config import ModelConfig
-from transformer_mt.model import MultiHeadAttention, Transformer, causal_mask, padding_mask
+from transformer_mt.model import (
+    MultiHeadAttention,
+    ScaleNorm,
+    Transformer,
+    causal_mask,
+    padding_mask,
+)
 from transformer_mt.vocab import BOS, PAD
 
 D, H, FF, V = 32, 4, 64, 50
@@ -191,6 +198,30 @@ def test_parameter_count_matches_formula():
     assert Transformer(cfg, 8001, 8001, joint_vocab=True).num_parameters() == 7_578_880
 
 
+def test_scale_norm_is_g_times_the_unit_vector(gen):
+    """ScaleNorm (Nguyen & Salazar, 2019): every position becomes g * x / ||x||, so its length is
+    g, starting at sqrt(d); the one scalar g is learned."""
+    norm = ScaleNorm(D)
+    x = torch.randn(3, 5, D, generator=gen) * 7.0
+    torch.testing.assert_close(norm(x), D**0.5 * F.normalize(x, dim=-1))
+    with torch.no_grad():
+        norm.g.fill_(2.5)
+    torch.testing.assert_close(norm(x).norm(dim=-1), torch.full((3, 5), 2.5))
+    norm(x).sum().backward()
+    assert [n for n, _ in norm.named_parameters()] == ["g"] and norm.g.grad is not None
+
+
+def test_scale_norm_replaces_every_layer_norm():
+    """model.norm_type: scale puts ScaleNorm wherever LayerNorm was, the pre-norm stacks' final
+    norms included: 12 of them in 2+2 layers, one parameter each."""
+    model = Transformer(small_cfg(norm="pre", norm_type="scale"), V, V, joint_vocab=True)
+    kinds = [type(m) for m in model.modules() if isinstance(m, (nn.LayerNorm, ScaleNorm))]
+    assert kinds == [ScaleNorm] * (2 * 2 + 2 * 3 + 2)
+    layer = Transformer(small_cfg(norm="pre"), V, V, joint_vocab=True)
+    # each LayerNorm holds 2 * D parameters, each ScaleNorm 1
+    assert layer.num_parameters() - model.num_parameters() == 12 * (2 * D - 1)
+
+
 def test_tied_embeddings_share_one_matrix():
     model = Transformer(small_cfg(), V, V, joint_vocab=True)
     assert model.src_embed.lut.weight is model.tgt_embed.lut.weight is model.generator.weight
@@ -216,10 +247,10 @@ def test_embeddings_are_scaled_and_positions_sinusoidal():
 # --------------------------------------------------------------------------- decoding and padding
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_kv_cache_matches_full_forward_at_every_step(gen, norm):
+@pytest.mark.parametrize("norm, norm_type", [("post", "layer"), ("pre", "layer"), ("pre", "scale")])
+def test_kv_cache_matches_full_forward_at_every_step(gen, norm, norm_type):
     torch.manual_seed(0)
-    model = Transformer(small_cfg(norm=norm), V, V, joint_vocab=True).eval()
+    model = Transformer(small_cfg(norm=norm, norm_type=norm_type), V, V, joint_vocab=True).eval()
     src = random_ids(3, 8, [8, 5, 2], gen)
     tgt_in = torch.cat([torch.full((3, 1), BOS), random_ids(3, 6, [6, 6, 6], gen)], dim=1)  # (3, 7)
     with torch.no_grad():

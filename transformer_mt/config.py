@@ -137,6 +137,8 @@ class ModelConfig:
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
     norm: Literal["post", "pre"] = "post"  # post: the paper's LayerNorm(x + Sublayer(x))
+    # layer: LayerNorm; scale: ScaleNorm, g * x / ||x|| with one learned g (Nguyen & Salazar, 2019)
+    norm_type: Literal["layer", "scale"] = "layer"
     tie_embeddings: bool = True  # joint vocab: src, tgt and output share one matrix
     max_positions: int = 1024
 

@@ -233,6 +233,11 @@ def model_spec(ct2: Any, model: Transformer, tokenizer: Tokenizer) -> Any:
             "ensembling them"
         )
     cfg = model.cfg
+    if cfg.norm_type != "layer":
+        raise ExportError(
+            "CTranslate2 exports LayerNorm models only (model.norm_type: layer): its Transformer "
+            "has no ScaleNorm"
+        )
     specs = ct2.specs
     spec = specs.TransformerSpec.from_config(
         (cfg.encoder_layers, cfg.decoder_layers),

@@ -129,6 +129,11 @@ def marian_model(tf: Any, model: Transformer, tokenizer: Tokenizer) -> Any:
             "--format transformers exports post-norm models only (model.norm: post): Marian, "
             "the architecture they map onto, has no pre-norm layers"
         )
+    if model.cfg.norm_type != "layer":
+        raise ExportError(
+            "--format transformers exports LayerNorm models only (model.norm_type: layer): "
+            "Marian has no ScaleNorm"
+        )
     d = model.cfg.d_model
     if d % 2:
         raise ExportError(f"model.d_model={d} is odd: Marian's position table needs it even")

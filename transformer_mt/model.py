@@ -72,6 +72,30 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
+class ScaleNorm(nn.Module):
+    """g * x / ||x|| over the last dimension, with one learned scalar g initialised to sqrt(d)
+    (Nguyen & Salazar, 2019): LayerNorm without the mean, the per-feature gains or the bias.
+    Computed as (g / sqrt(d)) * RMSNorm(x), since RMSNorm(x) = sqrt(d) * x / ||x|| (eps aside)."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        self.d_model, self.eps = d_model, eps
+        self.g = nn.Parameter(torch.tensor(math.sqrt(d_model)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., d) -> (..., d)
+        scale = (self.g / math.sqrt(self.d_model)).to(x.dtype)
+        return F.rms_norm(x, (self.d_model,), eps=self.eps) * scale
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The normalisation `model.norm_type` names: LayerNorm or ScaleNorm."""
+    return ScaleNorm(cfg.d_model) if cfg.norm_type == "scale" else nn.LayerNorm(cfg.d_model)
+
+
 class Embeddings(nn.Module):
     """Token embeddings multiplied by sqrt(d_model) (Sec. 3.4)."""
 
@@ -200,13 +224,13 @@ class FeedForward(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each in a residual block with LayerNorm (Sec. 3.1)."""
+    """Self-attention then feed-forward, each in a residual block with a norm (Sec. 3.1)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
         self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
         self.dropout = Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
 
@@ -230,7 +254,7 @@ class DecoderLayer(nn.Module):
             cfg.d_model, cfg.heads, cfg.attention_dropout, cross=True
         )
         self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.norm1, self.norm2, self.norm3 = (make_norm(cfg) for _ in range(3))
         self.dropout = Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
 
@@ -302,12 +326,12 @@ class KVCache:
 
 
 class Encoder(nn.Module):
-    """N encoder layers; pre-norm stacks end with a final LayerNorm."""
+    """N encoder layers; pre-norm stacks end with a final norm."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
-        self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+        self.norm = make_norm(cfg) if cfg.norm == "pre" else nn.Identity()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -316,12 +340,12 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """N decoder layers; pre-norm stacks end with a final LayerNorm."""
+    """N decoder layers; pre-norm stacks end with a final norm."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
-        self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+        self.norm = make_norm(cfg) if cfg.norm == "pre" else nn.Identity()
 
     def forward(
         self,
