@@ -37,6 +37,13 @@ def make_model(vocab: int, seed: int, sharpen: float = 3.0) -> Transformer:
     return model
 
 
+def tiny_model(**model) -> Transformer:
+    """A random one-layer model over 20 shared pieces, with `model`'s settings: for the checks that
+    look at a model's architecture, not at what it translates."""
+    cfg = ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32, **model)
+    return Transformer(cfg, 20, 20, joint_vocab=True)
+
+
 def sources(B: int, S: int, vocab: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(4, vocab, (B, S), generator=g)

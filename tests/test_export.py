@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import sacrebleu
 import torch
+from helpers import tiny_model
 
 from transformer_mt import demo_corpus, export, search
 from transformer_mt.cli import main
@@ -20,7 +21,7 @@ from transformer_mt.errors import UserError
 from transformer_mt.export import ExportError, cached_export, export_ctranslate2, is_export
 from transformer_mt.inference import load_translator
 
-pytest.importorskip("ctranslate2")
+ctranslate2 = pytest.importorskip("ctranslate2")
 # One torch thread (conftest.py): the engines' agreement test took 90 s on two threads of two busy
 # cores, 8 s on one.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -473,14 +474,5 @@ def test_the_transformers_export_of_the_demo_model_translates_as_ours(demo):
 
 def test_a_scale_norm_model_is_refused_by_name():
     """CTranslate2's Transformer has LayerNorm (gamma, beta) only: ScaleNorm would be lost."""
-    import ctranslate2
-
-    from transformer_mt.config import ModelConfig
-    from transformer_mt.model import Transformer
-
-    cfg = ModelConfig(
-        d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32, norm_type="scale"
-    )
-    model = Transformer(cfg, 20, 20, joint_vocab=True)
     with pytest.raises(ExportError, match="model.norm_type"):
-        export.model_spec(ctranslate2, model, tokenizer=None)
+        export.model_spec(ctranslate2, tiny_model(norm_type="scale"), tokenizer=None)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from transformer_mt.cli import main
 from transformer_mt.data import read_split
 from transformer_mt.errors import UserError
-from transformer_mt.export_hf import export_transformers
+from transformer_mt.export_hf import export_transformers, marian_model
 from transformer_mt.inference import load_translator
 from transformer_mt.search import max_output_len
 from transformer_mt.vocab import BOS, EOS
@@ -130,13 +131,5 @@ def test_missing_extra_names_it(monkeypatch, tmp_path, capsys):
 
 def test_a_scale_norm_model_is_refused_by_name():
     """Marian has LayerNorm only: a ScaleNorm model would not export as itself."""
-    from transformer_mt.config import ModelConfig
-    from transformer_mt.export_hf import marian_model
-    from transformer_mt.model import Transformer
-
-    cfg = ModelConfig(
-        d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32, norm_type="scale"
-    )
-    model = Transformer(cfg, 20, 20, joint_vocab=True)
     with pytest.raises(UserError, match="model.norm_type"):
-        marian_model(transformers, model, tokenizer=None)
+        marian_model(transformers, tiny_model(norm_type="scale"), tokenizer=None)
