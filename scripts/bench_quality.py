@@ -337,6 +337,7 @@ RECIPE_KEYS = [
     ("tokenizer", "vocab_size"),
     ("train", "max_tokens"),
     ("train", "warmup"),
+    ("train", "warmup_share"),
     ("train", "lr_factor"),
     ("train", "cooldown"),
     ("train", "label_smoothing"),

@@ -202,6 +202,7 @@ def test_empty_file_gives_defaults(tmp_path):
         ({"decode": {"beam": 0}}, "decode.beam"),
         ({"train": {"max_steps": 0}}, "train.max_steps"),
         ({"train": {"adam_betas": [0.9, 1.5]}}, "train.adam_betas"),
+        ({"train": {"warmup_share": 1.0}}, "train.warmup_share"),
         ({"tokenizer": {"vocab_size": 3}}, "tokenizer.vocab_size"),
         ({"data": {"format": "hf"}}, "data.dataset"),
     ],

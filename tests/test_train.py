@@ -150,6 +150,34 @@ def test_time_budget_plans_the_cooldown_from_the_step_rate(copy_config, tmp_path
     assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()} == files
 
 
+def test_warmup_share_of_max_steps_without_a_time_budget(copy_config, monkeypatch):
+    """30% of 10 updates is a 3-update warm-up, fewer than train.warmup's 60: Noam with 3."""
+    trainer = Trainer(copy_config(max_steps=10, warmup_share=0.3))
+    lrs, summary = lrs_of_updates(monkeypatch, trainer)
+    assert summary["steps"] == 10
+    assert lrs == pytest.approx([noam(s, 64, 3, 1.0) for s in range(1, 11)])
+
+
+def test_time_budget_plans_the_warmup_from_the_first_minutes_rate(
+    copy_config, tmp_path, monkeypatch
+):
+    """A clock of 10 updates a minute and a 3-minute budget: after the first minute (update 10) the
+    budget holds 10 + 0.98 * 10 * 2 -> 29 updates, 40% of them 11.6 -> a 12-update warm-up (not
+    train.warmup's 60). Update 11's lr was set at update 10, before the plan; from update 12 on the
+    schedule is Noam's with 12. The run ends with the budget at update 30."""
+    cfg = lambda: copy_config(max_steps=1000, max_minutes=3.0, warmup_share=0.4)  # noqa: E731
+    trainer = Trainer(cfg())
+    monkeypatch.setattr(Trainer, "minutes", lambda self: self.state.step / 10)
+    lrs, summary = lrs_of_updates(monkeypatch, trainer)
+    assert summary["steps"] == 30 and "max_minutes" in summary["stopped"]
+    expected = [noam(s, 64, 60 if s <= 11 else 12, 1.0) for s in range(1, 31)]
+    assert lrs == pytest.approx(expected)
+    # The plan is part of the checkpoint: a resumed run keeps it instead of planning again.
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["train_state"]["warmup"] == 12
+    assert Trainer(cfg(), resume=True).state.warmup == 12
+
+
 @pytest.mark.slow
 def test_tiny_copy_task_is_learned_exactly(copy_config):
     # No label smoothing: it keeps probability off the one right answer that this task has. The last

@@ -176,6 +176,11 @@ class TrainConfig:
     max_minutes: float = 0.0  # time budget (set-up included); 0 = none. Stops, validates and saves.
     lr_factor: float = 2.0  # Noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup: int = 4000
+    # When > 0, the warm-up is this share of the updates the run is planned to make, where that is
+    # fewer than `warmup`: of max_steps, or, when max_minutes ends the run first, of the updates the
+    # time budget holds at the rate of the run's first minute (so a slow CPU's short run is not
+    # mostly warm-up). Noam's rate after the warm-up is the same 1/sqrt(step) curve either way.
+    warmup_share: float = 0.0
     # The last fraction of the run over which the lr decays linearly to 0: of max_steps, or, when
     # max_minutes ends the run first, of the time budget (its steps planned from the step rate so
     # far).
@@ -263,6 +268,11 @@ class TrainConfig:
         _check(self.patience >= 0, "train.patience", f"must be >= 0, got {self.patience}")
         _check(
             0.0 <= self.cooldown < 1.0, "train.cooldown", f"must be in [0, 1), got {self.cooldown}"
+        )
+        _check(
+            0.0 <= self.warmup_share < 1.0,
+            "train.warmup_share",
+            f"must be in [0, 1), got {self.warmup_share}",
         )
         _check(self.max_minutes >= 0, "train.max_minutes", f"must be >= 0, got {self.max_minutes}")
         _check(

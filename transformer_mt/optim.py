@@ -1,4 +1,5 @@
-"""Adam and the learning-rate schedule: Noam warm-up (Sec. 5.3) and the linear cooldown."""
+"""Adam and the learning-rate schedule: Noam warm-up (Sec. 5.3) and the linear cooldown; both can be
+planned from the updates the time budget holds on this machine."""
 
 from __future__ import annotations
 
@@ -36,21 +37,48 @@ def cooldown_by_steps(tc: TrainConfig) -> tuple[int, int]:
     return tc.max_steps - max(1, round(tc.cooldown * tc.max_steps)), tc.max_steps
 
 
-def cooldown_end_in_time(
-    tc: TrainConfig, step: int, minutes: float, steps_per_minute: float
-) -> int:
-    """The update at which a cooldown starting now ends with the time budget: the budget's minutes
-    left at this rate (2% kept spare), at most max_steps."""
+def last_update_in_time(tc: TrainConfig, step: int, minutes: float, steps_per_minute: float) -> int:
+    """The update at which the time budget ends: the budget's minutes left at this rate (2% kept
+    spare), at most max_steps."""
     left = tc.max_minutes - minutes
     return min(tc.max_steps, step + max(1, int(0.98 * steps_per_minute * left)))
+
+
+def warmup_by_steps(tc: TrainConfig) -> int:
+    """The warm-up without a time budget (and, with one, until it is planned): train.warmup, or
+    warmup_share of max_steps where that is fewer."""
+    if not tc.warmup_share:
+        return tc.warmup
+    return min(tc.warmup, max(1, round(tc.warmup_share * tc.max_steps)))
+
+
+def plan_warmup(
+    tc: TrainConfig, step: int, minutes: float, steps_per_minute: float, agree: Callable[[int], int]
+) -> int:
+    """The warm-up as warmup_share of the updates the time budget holds at this rate
+    (last_update_in_time), at most warmup_by_steps and at least the updates already made; `agree`
+    makes every rank take the same (the fewest)."""
+    total = last_update_in_time(tc, step, minutes, steps_per_minute)
+    warmup = agree(min(warmup_by_steps(tc), max(step, round(tc.warmup_share * total))))
+    log.info(
+        "warm-up: %d updates, train.warmup_share=%g of the ~%d that train.max_minutes=%g holds "
+        "at %.1f updates/min (at most train.warmup=%d)",
+        warmup,
+        tc.warmup_share,
+        total,
+        tc.max_minutes,
+        steps_per_minute,
+        tc.warmup,
+    )
+    return warmup
 
 
 def plan_cooldown(
     tc: TrainConfig, step: int, minutes: float, steps_per_minute: float, agree: Callable[[int], int]
 ) -> tuple[int, int]:
     """The cooldown (start, end) that starts now and ends when the time budget does
-    (cooldown_end_in_time); `agree` makes every rank take the same end (the earliest)."""
-    end = agree(cooldown_end_in_time(tc, step, minutes, steps_per_minute))
+    (last_update_in_time); `agree` makes every rank take the same end (the earliest)."""
+    end = agree(last_update_in_time(tc, step, minutes, steps_per_minute))
     log.info(
         "cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f "
         "updates/min, %.1f of train.max_minutes=%g left)",
@@ -68,9 +96,12 @@ def build_optimizer(
     tc: TrainConfig,
     device: torch.device,
     cooldown: Callable[[], tuple[int, int]] = lambda: (0, 0),
+    warmup: Callable[[], int] | None = None,
 ) -> tuple[torch.optim.Optimizer, Any]:
     """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR, times the
-    cooldown factor of the plan that `cooldown()` returns (start, end) when the lr is computed."""
+    cooldown factor of the plan that `cooldown()` returns (start, end) when the lr is computed;
+    the warm-up is what `warmup()` returns then (default: train.warmup)."""
+    warmup = warmup or (lambda: tc.warmup)
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.Adam(
         model.parameters(),
@@ -85,7 +116,7 @@ def build_optimizer(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda i: (
-            noam(i + 1, d_model, tc.warmup, tc.lr_factor) * cooldown_factor(i + 1, *cooldown())
+            noam(i + 1, d_model, warmup(), tc.lr_factor) * cooldown_factor(i + 1, *cooldown())
         ),
     )
     return optimizer, scheduler

@@ -39,7 +39,7 @@ from .distributed import agree, agree_min, gathered_rng, global_sum, leave_distr
 from .errors import TrainingDiverged, TrainingInterrupted
 from .evaluate import validation_metrics
 from .model import label_smoothed_loss, symmetric_kl
-from .optim import build_optimizer, cooldown_by_steps, plan_cooldown
+from .optim import build_optimizer, cooldown_by_steps, plan_cooldown, plan_warmup, warmup_by_steps
 from .prepare import (
     NullWriter,
     build_model,
@@ -86,6 +86,7 @@ class TrainState:
     # the lr decays linearly from update cooldown_start to ~0 at cooldown_end
     cooldown_start: int = 0
     cooldown_end: int = 0  # (both 0: no cooldown); see optim.cooldown_by_steps, _plan_cooldown
+    warmup: int = 0  # the warm-up's updates once planned (0: optim.warmup_by_steps until then)
 
     def summary(self, stopped: str, minutes: float, run_dir: Path, rank: int) -> dict[str, Any]:
         """What `train` returns: how far the run got, why it stopped, its best validation."""
@@ -167,6 +168,7 @@ class Trainer:
             tc,
             self.device,
             lambda: (self.state.cooldown_start, self.state.cooldown_end),
+            lambda: self.state.warmup or warmup_by_steps(tc),
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         # told (step, planned last step) after every update: an ensemble's member reports to its
@@ -218,7 +220,7 @@ class Trainer:
         bar, peak = self._start()
         batches = self.batches.stream(self.state)
         meter = Meter(self.device, self.state.step + 1, peak)
-        since = self.state.step, self.minutes()  # this process's step rate, for the cooldown's plan
+        since = self.state.step, self.minutes()  # this process's step rate, for the plans
         validated_at, fired = -1, []
         self.model.train()
         with StopSignals(self.signal_grace) as signals:
@@ -255,20 +257,31 @@ class Trainer:
     ) -> tuple[list[Stop], bool]:
         """The limits this step reached, and whether a signal asks to stop. Ranks agree on the clock
         and on signals at log and validation steps (a host sync); there, a time budget that will end
-        the run before max_steps starts the cooldown over its last part."""
+        the run before max_steps starts the cooldown over its last part, and after a minute of
+        training plans the warm-up (train.warmup_share) from the updates the budget holds."""
         tc, step = self.cfg.train, self.state.step
         now, budget = self.minutes(), tc.max_minutes or math.inf
         cooling_due = step < self.state.cooldown_start and now >= (1 - tc.cooldown) * budget
+        warmup_due = not self.state.warmup and now - since[1] >= 1.0
         due = self.dist.world == 1 or step % tc.log_every == 0 or step % tc.valid_every == 0
-        out_of_time, interrupted, cool = (
-            agree(self.dist, self.device, now >= budget, signals.caught is not None, cooling_due)
+        out_of_time, interrupted, cool, warm = (
+            agree(
+                self.dist,
+                self.device,
+                now >= budget,
+                signals.caught is not None,
+                cooling_due,
+                warmup_due,
+            )
             if due
-            else (False, False, False)
+            else (False, False, False, False)
         )
+        rate = (step - since[0]) / max(now - since[1], 1e-9)
+        fewest = lambda n: agree_min(self.dist, self.device, n)  # noqa: E731
+        if warm:  # the lr of the update after this one was set before the plan; the next is not
+            self.state.warmup = plan_warmup(tc, step, now, rate, fewest)
         if cool:  # the time budget ends the run before max_steps: cool down over its last part
-            rate = (step - since[0]) / max(now - since[1], 1e-9)
-            agree_end = lambda end: agree_min(self.dist, self.device, end)  # noqa: E731
-            plan = plan_cooldown(tc, step, now, rate, agree_end)
+            plan = plan_cooldown(tc, step, now, rate, fewest)
             self.state.cooldown_start, self.state.cooldown_end = plan
             bar.total = self.state.cooldown_end
         return limits_reached(tc, self.state, out_of_time=out_of_time), interrupted
@@ -293,6 +306,8 @@ class Trainer:
         tc, main, self.state.precision = self.cfg.train, self.dist.main, self.precision
         if not self.state.cooldown_end:  # by steps; the time budget may move it earlier
             self.state.cooldown_start, self.state.cooldown_end = cooldown_by_steps(tc)
+        if not (self.state.warmup or tc.warmup_share and tc.max_minutes):
+            self.state.warmup = warmup_by_steps(tc)  # else planned after the first minute
         self.writer = open_event_log(self.run_dir, self.dist)
         if main:
             n = len(self.batches.epoch(1))
