@@ -7,13 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformer_mt import train as train_module
 from transformer_mt.checkpoint import load_for_inference, validation_score
 from transformer_mt.config import config_from_dict
 from transformer_mt.data import collate, read_split
 from transformer_mt.errors import TrainingDiverged
 from transformer_mt.inference import Translator
 from transformer_mt.model import label_smoothed_loss, symmetric_kl
-from transformer_mt.optim import cooldown_factor, noam
+from transformer_mt.optim import cooldown_factor, noam, noam_ramp
 from transformer_mt.train import Stop, Trainer, TrainState, limits_reached
 from transformer_mt.vocab import PAD, UNK
 
@@ -63,6 +64,21 @@ def test_noam_schedule_matches_formula_and_peaks_at_warmup():
     rates = [noam(s, d, warmup, factor) for s in range(1, 3 * warmup)]
     assert rates.index(max(rates)) + 1 == warmup
     assert noam(warmup, d, warmup, factor) == pytest.approx(factor * (d * warmup) ** -0.5)
+
+
+def test_a_shorter_ramp_reaches_the_same_peak_sooner_and_holds_it():
+    """Eq. 3 peaks at factor * (d * warmup)^-0.5 after `warmup` updates; a ramp of 1,000 rises in a
+    straight line to that peak, holds it until update 4,000 and then decays as Eq. 3 does."""
+    d, warmup, factor = 128, 4000, 1.789
+    peak = factor * (d * warmup) ** -0.5
+    assert noam_ramp(500, d, warmup, factor, 1000) == pytest.approx(peak / 2)
+    assert noam_ramp(1000, d, warmup, factor, 1000) == pytest.approx(peak)
+    assert noam_ramp(3000, d, warmup, factor, 1000) == pytest.approx(peak)
+    assert noam_ramp(16000, d, warmup, factor, 1000) == pytest.approx(peak / 2)  # sqrt(4000/16000)
+    for step in (1, 10, 2000, 4000, 9000):  # the whole warm-up: Eq. 3
+        assert noam_ramp(step, d, warmup, factor, warmup) == pytest.approx(
+            noam(step, d, warmup, factor)
+        )
 
 
 def test_learning_rate_follows_noam_per_update(copy_config):
@@ -151,11 +167,13 @@ def test_time_budget_plans_the_cooldown_from_the_step_rate(copy_config, tmp_path
 
 
 def test_warmup_share_of_max_steps_without_a_time_budget(copy_config, monkeypatch):
-    """30% of 10 updates is a 3-update warm-up, fewer than train.warmup's 60: Noam with 3."""
+    """30% of 10 updates is a 3-update warm-up, fewer than train.warmup's 60: the rate rises to
+    Noam's peak with 60 (60^-0.5 * 64^-0.5 with factor 1) in 3 updates and stays there."""
     trainer = Trainer(copy_config(max_steps=10, warmup_share=0.3))
     lrs, summary = lrs_of_updates(monkeypatch, trainer)
     assert summary["steps"] == 10
-    assert lrs == pytest.approx([noam(s, 64, 3, 1.0) for s in range(1, 11)])
+    peak = (60 * 64) ** -0.5
+    assert lrs == pytest.approx([peak * min(s / 3, 1) for s in range(1, 11)])
 
 
 def test_time_budget_plans_the_warmup_from_the_first_minutes_rate(
@@ -163,19 +181,44 @@ def test_time_budget_plans_the_warmup_from_the_first_minutes_rate(
 ):
     """A clock of 10 updates a minute and a 3-minute budget: after the first minute (update 10) the
     budget holds 10 + 0.98 * 10 * 2 -> 29 updates, 40% of them 11.6 -> a 12-update warm-up (not
-    train.warmup's 60). Update 11's lr was set at update 10, before the plan; from update 12 on the
-    schedule is Noam's with 12. The run ends with the budget at update 30."""
+    train.warmup's 60). Update 11's lr was set at update 10, before the plan, on the way to the
+    peak in 60 updates; from update 12 on the rate is the peak (Noam's with 60), reached in 12. The
+    run ends with the budget at update 30."""
     cfg = lambda: copy_config(max_steps=1000, max_minutes=3.0, warmup_share=0.4)  # noqa: E731
     trainer = Trainer(cfg())
     monkeypatch.setattr(Trainer, "minutes", lambda self: self.state.step / 10)
     lrs, summary = lrs_of_updates(monkeypatch, trainer)
     assert summary["steps"] == 30 and "max_minutes" in summary["stopped"]
-    expected = [noam(s, 64, 60 if s <= 11 else 12, 1.0) for s in range(1, 31)]
+    peak = (60 * 64) ** -0.5
+    expected = [peak * (s / 60 if s <= 11 else min(s / 12, 1)) for s in range(1, 31)]
     assert lrs == pytest.approx(expected)
     # The plan is part of the checkpoint: a resumed run keeps it instead of planning again.
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert state["train_state"]["warmup"] == 12
     assert Trainer(cfg(), resume=True).state.warmup == 12
+
+
+def test_warmup_is_planned_again_until_it_ends(copy_config, monkeypatch):
+    """A first minute at 10 updates a minute, then 40 a minute, a 4-minute budget, 40% warm-up.
+    At update 10 the budget holds 10 + int(0.98 * 10 * 3) = 39 updates: a 16-update warm-up. At
+    update 15 (log_every 5) the rate so far is 15 / 1.125 = 13.3 a minute: 15 + int(0.98 * 13.3 *
+    2.875) = 52 updates, 21; at 20, 16 a minute: 20 + int(0.98 * 16 * 2.75) = 63, 25. Update 25
+    has reached that warm-up, so it stays 25."""
+    cfg = copy_config(max_steps=1000, max_minutes=4.0, warmup_share=0.4, log_every=5)
+    trainer = Trainer(cfg)
+    clock = lambda self: min(self.state.step, 10) / 10 + max(self.state.step - 10, 0) / 40  # noqa: E731
+    monkeypatch.setattr(Trainer, "minutes", clock)
+    plans, plan = [], train_module.plan_warmup
+
+    def recorded(tc, step, *args, **kwargs):
+        plans.append((step, plan(tc, step, *args, **kwargs)))
+        return plans[-1][1]
+
+    monkeypatch.setattr(train_module, "plan_warmup", recorded)
+    summary = trainer.train()
+    assert "max_minutes" in summary["stopped"] and summary["steps"] > 25
+    assert plans == [(10, 16), (15, 21), (20, 25)]
+    assert trainer.state.warmup == 25
 
 
 @pytest.mark.slow

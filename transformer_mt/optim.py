@@ -20,6 +20,15 @@ def noam(step: int, d_model: int, warmup: int, factor: float) -> float:
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
+def noam_ramp(step: int, d_model: int, warmup: int, factor: float, ramp: int) -> float:
+    """Noam's rate with `warmup` (Eq. 3), its peak reached in `ramp` <= warmup updates instead: a
+    straight rise to the same peak, held until Eq. 3's 1/sqrt(step) decay comes down to it. A
+    shorter warm-up (train.warmup_share) changes when the peak comes, not how high it is; ramp ==
+    warmup is Eq. 3 itself."""
+    peak = noam(warmup, d_model, warmup, factor)
+    return min(peak * max(step, 1) / ramp, noam(max(step, warmup), d_model, warmup, factor))
+
+
 def cooldown_factor(step: int, start: int, end: int) -> float:
     """The learning rate's multiplier for update `step` (1-based): 1 up to `start`, then a straight
     line down to 1 / (end - start) at update `end`, the last (annealing to ~0 by the end of the run;
@@ -53,16 +62,24 @@ def warmup_by_steps(tc: TrainConfig) -> int:
 
 
 def plan_warmup(
-    tc: TrainConfig, step: int, minutes: float, steps_per_minute: float, agree: Callable[[int], int]
+    tc: TrainConfig,
+    step: int,
+    minutes: float,
+    steps_per_minute: float,
+    agree: Callable[[int], int],
+    first: bool = True,
 ) -> int:
     """The warm-up as warmup_share of the updates the time budget holds at this rate
     (last_update_in_time), at most warmup_by_steps and at least the updates already made; `agree`
-    makes every rank take the same (the fewest)."""
+    makes every rank take the same (the fewest). Logged at info the first time, at debug when
+    re-planned."""
     total = last_update_in_time(tc, step, minutes, steps_per_minute)
     warmup = agree(min(warmup_by_steps(tc), max(step, round(tc.warmup_share * total))))
-    log.info(
+    log.log(
+        logging.INFO if first else logging.DEBUG,
         "warm-up: %d updates, train.warmup_share=%g of the ~%d that train.max_minutes=%g holds "
-        "at %.1f updates/min (at most train.warmup=%d)",
+        "at %.1f updates/min (at most train.warmup=%d; re-planned from the rate so far every "
+        "train.log_every updates until it ends)",
         warmup,
         tc.warmup_share,
         total,
@@ -100,7 +117,7 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, Any]:
     """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR, times the
     cooldown factor of the plan that `cooldown()` returns (start, end) when the lr is computed;
-    the warm-up is what `warmup()` returns then (default: train.warmup)."""
+    the peak is reached after what `warmup()` returns then (default: train.warmup; noam_ramp)."""
     warmup = warmup or (lambda: tc.warmup)
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.Adam(
@@ -116,7 +133,8 @@ def build_optimizer(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda i: (
-            noam(i + 1, d_model, warmup(), tc.lr_factor) * cooldown_factor(i + 1, *cooldown())
+            noam_ramp(i + 1, d_model, tc.warmup, tc.lr_factor, warmup())
+            * cooldown_factor(i + 1, *cooldown())
         ),
     )
     return optimizer, scheduler

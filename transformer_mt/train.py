@@ -258,11 +258,17 @@ class Trainer:
         """The limits this step reached, and whether a signal asks to stop. Ranks agree on the clock
         and on signals at log and validation steps (a host sync); there, a time budget that will end
         the run before max_steps starts the cooldown over its last part, and after a minute of
-        training plans the warm-up (train.warmup_share) from the updates the budget holds."""
-        tc, step = self.cfg.train, self.state.step
+        training plans the warm-up (train.warmup_share) from the updates the budget holds, then
+        plans it again every log_every updates until it ends: a minute's rate on a shared machine
+        can be half the hour's."""
+        tc, step, warmup = self.cfg.train, self.state.step, self.state.warmup
         now, budget = self.minutes(), tc.max_minutes or math.inf
         cooling_due = step < self.state.cooldown_start and now >= (1 - tc.cooldown) * budget
-        warmup_due = not self.state.warmup and now - since[1] >= 1.0
+        warmup_due = (
+            bool(tc.warmup_share and tc.max_minutes)
+            and now - since[1] >= 1.0
+            and (not warmup or step < warmup and step % tc.log_every == 0)
+        )
         due = self.dist.world == 1 or step % tc.log_every == 0 or step % tc.valid_every == 0
         out_of_time, interrupted, cool, warm = (
             agree(
@@ -279,7 +285,7 @@ class Trainer:
         rate = (step - since[0]) / max(now - since[1], 1e-9)
         fewest = lambda n: agree_min(self.dist, self.device, n)  # noqa: E731
         if warm:  # the lr of the update after this one was set before the plan; the next is not
-            self.state.warmup = plan_warmup(tc, step, now, rate, fewest)
+            self.state.warmup = plan_warmup(tc, step, now, rate, fewest, first=not warmup)
         if cool:  # the time budget ends the run before max_steps: cool down over its last part
             plan = plan_cooldown(tc, step, now, rate, fewest)
             self.state.cooldown_start, self.state.cooldown_end = plan
