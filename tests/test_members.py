@@ -24,7 +24,7 @@ from transformer_mt.checkpoint import (
     validation_score,
 )
 from transformer_mt.config import ConfigError, load_config
-from transformer_mt.members import core_shares, member_config
+from transformer_mt.members import _READY, _Forwarded, core_shares, member_config
 from transformer_mt.serve import checkpoint_name
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -260,6 +260,22 @@ def test_members_stop_and_save_when_the_parent_is_killed(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)  # no handler runs: the members notice on their own
         proc.wait(timeout=60)
         assert all(_member_stopped(run, i) >= 10 for i in (1, 2))
+
+
+def test_a_signal_for_a_booting_member_waits_at_its_gate(monkeypatch):
+    """A member killed before its handlers are in place would stop without its log or last.pt: the
+    parent leaves the signal at its gate instead, and signals only members that took theirs."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    gates = multiprocessing.get_context("spawn").Array("i", 3)
+    gates[1] = _READY
+    procs = [SimpleNamespace(pid=pid, exitcode=None) for pid in (101, 102, None)]
+    _Forwarded(procs, gates).forward(signal.SIGTERM)
+    assert sent == [(102, signal.SIGTERM)]
+    assert list(gates) == [signal.SIGTERM, _READY, signal.SIGTERM]
 
 
 @pytest.mark.reliability

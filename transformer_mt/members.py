@@ -40,6 +40,7 @@ from .metrics import score
 from .runtime import SignalScope
 
 log = logging.getLogger("transformer_mt")
+_READY = -1  # a member's gate once it takes signals itself (signal numbers are > 0)
 
 
 class MemberFailed(UserError):
@@ -140,6 +141,9 @@ def _run_members(
     each member's time budget counts from there. A member that fails stops the others."""
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA or threads
     progress = ctx.Array("q", 2 * len(members), lock=False)  # (step, planned last step) each
+    # Each member's signal gate: 0 while it boots, READY once its handlers are in place, or the
+    # signal the parent had for it before then (a signal that early would kill it without a trace).
+    gates = ctx.Array("i", len(members))
     dirs = [Path(m.output_dir) for m in members]
     logs = [d / "train.log" for d in dirs]
     seen = [p.stat().st_size if p.is_file() else 0 for p in logs]  # this run's part of each log
@@ -156,6 +160,7 @@ def _run_members(
                 os.getpid(),
                 shares[i] if shares else None,
                 progress,
+                gates,
             ),
             name=f"tmt-member-{i + 1}",
         )
@@ -167,13 +172,11 @@ def _run_members(
         dynamic_ncols=True,
         disable=log.level > logging.INFO,  # tmt -q
     )
-    forwarded = _Forwarded(procs)
+    forwarded = _Forwarded(procs, gates)
     try:
         with forwarded:
-            for p in procs:
+            for p in procs:  # a signal meanwhile waits at the gates of those not yet booted
                 p.start()
-            if forwarded.caught:  # a signal while they started: the later ones missed it
-                forwarded.forward(signal.Signals[forwarded.caught])
             failed = _watch(procs, forwarded, progress, bar)
     finally:
         bar.close()
@@ -231,20 +234,24 @@ def _watch(procs: list[Any], forwarded: _Forwarded, progress: Any, bar: tqdm) ->
 
 class _Forwarded(SignalScope):
     """While members train: SIGINT/SIGTERM to this process go on to every member (each runs in a
-    session of its own, so a terminal's Ctrl-C reaches it once, through here)."""
+    session of its own, so a terminal's Ctrl-C reaches it once, through here). A member still
+    booting gets it through its gate instead, and acts on it once it can."""
 
-    def __init__(self, procs: list[Any]):
-        self.procs, self.caught = procs, None
+    def __init__(self, procs: list[Any], gates: Any):
+        self.procs, self.gates, self.caught = procs, gates, None
 
     def handler(self, signum: int, frame: Any) -> None:
         self.caught = signal.Signals(signum).name
         self.forward(signum)
 
     def forward(self, signum: int) -> None:
-        for p in self.procs:
-            if p.pid is not None and p.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signum)
+        for i, p in enumerate(self.procs):
+            with self.gates.get_lock():  # the member opens its gate under the same lock
+                if self.gates[i] != _READY:
+                    self.gates[i] = signum
+                elif p.pid is not None and p.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signum)
 
 
 def _member_main(
@@ -255,12 +262,17 @@ def _member_main(
     parent: int,
     cores: list[int] | None,
     progress: Any,
+    gates: Any,
 ) -> None:
     """A member's process: its own session, cores and train.log, then the training loop of a single
     run; its summary to summary.json. It stops (writing last.pt) if the parent goes away."""
     early: list[int] = []  # a signal before the loop's own handler is in place: acted on below
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, frame: early.append(signum))
+    with gates.get_lock():  # from here on the parent signals us; what it sent before, we take
+        if gates[index]:
+            early.append(gates[index])
+        gates[index] = _READY
     if hasattr(os, "setsid"):
         os.setsid()  # signals come through the parent, once
     cfg = config_from_dict(cfg_dict, source=f"ensemble member {index + 1}")
