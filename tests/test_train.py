@@ -464,6 +464,50 @@ def test_fp16_training_on_cpu_skips_an_inf_step_and_resume_restores_the_scaler(c
     assert any(not torch.equal(v, before[k]) for k, v in resumed.model.state_dict().items())
 
 
+def test_fused_and_foreach_adam_make_the_same_updates():
+    """Adam on CPUs runs fused since torch 2.4 (one kernel instead of a loop of small ops per
+    parameter): the same algorithm (Kingma & Ba, Alg. 1), so both give the same weights."""
+    torch.manual_seed(0)
+    start = [torch.randn(7, 5), torch.randn(5)]
+    weights = {}
+    for name in ("fused", "foreach"):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        adam = torch.optim.Adam(params, lr=0.01, betas=(0.9, 0.98), eps=1e-9, **{name: True})
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            adam.step()
+        weights[name] = params
+    assert not torch.equal(weights["fused"][0], start[0])  # it did update
+    for a, b in zip(weights["fused"], weights["foreach"]):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_resume_keeps_adams_state_and_runs_this_machines_implementation(copy_config, tmp_path):
+    """A checkpoint written by a foreach Adam (every run before fused CPUs, or another machine)
+    resumes with its moments but runs the implementation chosen here."""
+    cfg = copy_config(max_steps=2, valid_every=2, device="cpu")
+    trainer = Trainer(cfg)
+    trainer.train()
+    chosen = {k: trainer.optimizer.param_groups[0][k] for k in ("fused", "foreach")}
+    assert chosen["fused"] != chosen["foreach"]  # one of the two, set explicitly
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    ckpt = torch.load(last, weights_only=True)
+    for group in ckpt["optimizer"]["param_groups"]:  # as the other implementation wrote it
+        group["fused"], group["foreach"] = chosen["foreach"], chosen["fused"]
+    torch.save(ckpt, last)
+    resumed = Trainer(
+        config_from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "max_steps": 3}}),
+        resume=True,
+    )
+    group = resumed.optimizer.param_groups[0]
+    assert {k: group[k] for k in ("fused", "foreach")} == chosen
+    saved = ckpt["optimizer"]["state"][0]["exp_avg"]
+    torch.testing.assert_close(resumed.optimizer.state_dict()["state"][0]["exp_avg"], saved)
+    assert resumed.train()["steps"] == 3
+
+
 def test_a_resumed_auto_run_keeps_the_precision_it_began_in(copy_config, tmp_path, monkeypatch):
     """precision auto is measured once, at the run's start: a resume whose probe would now choose
     otherwise trains on in the checkpoint's precision, so one run never mixes two."""

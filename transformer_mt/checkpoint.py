@@ -364,7 +364,11 @@ def restore_training(
     ckpt = ckpt if ckpt is not None else load_checkpoint(path, map_location=device)
     check_resumable(ckpt, path, cfg, tokenizer, run_dir)
     model.load_state_dict(ckpt["model"])
+    # Adam's state carries over; how it runs (fused or foreach) stays this machine's choice.
+    implementation = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
     optimizer.load_state_dict(ckpt["optimizer"])
+    for group, chosen in zip(optimizer.param_groups, implementation):
+        group.update(chosen)
     scheduler.load_state_dict(ckpt["scheduler"])
     scaler.load_state_dict(ckpt.get("scaler", {}))
     state = ckpt["train_state"]

@@ -7,6 +7,7 @@ import logging
 from typing import Any, Callable
 
 import torch
+from torch.torch_version import TorchVersion
 
 from .config import TrainConfig
 from .model import Transformer
@@ -108,6 +109,17 @@ def plan_cooldown(
     return step, end
 
 
+def adam_implementation(device: torch.device) -> dict[str, bool]:
+    """Adam's fastest implementation on `device`: fused (one kernel over all parameters) on GPUs
+    and, since torch 2.4, on CPUs, where foreach falls back to small ops per parameter (the
+    recipe's 129 tensors: 15 against 5 ms a step with AVX2 kernels; docs/multi30k.md); foreach
+    elsewhere."""
+    fused_cpu = TorchVersion(torch.__version__) >= "2.4"
+    if device.type == "cuda" or (device.type == "cpu" and fused_cpu):
+        return {"fused": True, "foreach": False}
+    return {"fused": False, "foreach": True}
+
+
 def build_optimizer(
     model: Transformer,
     tc: TrainConfig,
@@ -115,18 +127,17 @@ def build_optimizer(
     cooldown: Callable[[], tuple[int, int]] = lambda: (0, 0),
     warmup: Callable[[], int] | None = None,
 ) -> tuple[torch.optim.Optimizer, Any]:
-    """Adam (fused on GPUs, foreach elsewhere) and the Noam schedule as a LambdaLR, times the
-    cooldown factor of the plan that `cooldown()` returns (start, end) when the lr is computed;
-    the peak is reached after what `warmup()` returns then (default: train.warmup; noam_ramp)."""
+    """Adam (adam_implementation's) and the Noam schedule as a LambdaLR, times the cooldown
+    factor of the plan that `cooldown()` returns (start, end) when the lr is computed; the peak is
+    reached after what `warmup()` returns then (default: train.warmup; noam_ramp)."""
     warmup = warmup or (lambda: tc.warmup)
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.Adam(
         model.parameters(),
         lr=1.0,
         betas=tc.adam_betas,
         eps=tc.adam_eps,
         weight_decay=tc.weight_decay,
-        **fused,
+        **adam_implementation(device),
     )
     # LambdaLR counts from 0 before the first update; update number s uses noam(s).
     d_model = model.cfg.d_model
