@@ -450,18 +450,25 @@ def test_the_engines_agree_where_the_length_budget_decides(tiny, tmp_path, monke
 
 def test_the_transformers_export_of_the_demo_model_translates_as_ours(demo):
     """Issue 24: greedy `generate` of the exported MarianMTModel (transformers alone, no tmt) equals
-    `tmt translate --beam 1` on at least 99% of the demo test set."""
+    `tmt translate --beam 1` on at least 99% of the demo test set, under one length budget.
+
+    transformers stops at the export's `max_length` (the model's positions), tmt at 1.5 x source
+    length + 10 pieces (the export's README says so): a loop of this under-trained model that our
+    budget cuts runs on in transformers. A CI machine's model had 12 such lines in 1000, all equal
+    up to our budget; so ours decodes here with the export's budget."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     from transformer_mt.export_hf import export_transformers
 
     out = export_transformers(demo["run"], demo["root"] / "hf")
-    ours = load_translator(demo["run"], device="cpu", precision="fp32")
-    sources = demo["sources"]
-    want = ours.translate_text(sources, beam=1)
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    budget = model.generation_config.max_length - 1  # transformers counts the decoder's start token
+    ours = load_translator(demo["run"], device="cpu", precision="fp32")
+    sources = demo["sources"]
+    found = ours.translate(sources, beam=1, max_len=(0, budget), token_scores=False)
+    want = [hyps[0].text for hyps in found]
     got = []
     with torch.inference_mode():
         for i in range(0, len(sources), 100):
@@ -469,7 +476,8 @@ def test_the_transformers_export_of_the_demo_model_translates_as_ours(demo):
             got += tok.batch_decode(model.generate(**batch), skip_special_tokens=True)
     same = sum(a == b for a, b in zip(got, want))
     assert same >= 0.99 * len(sources), [(a, b) for a, b in zip(got, want) if a != b][:3]
-    assert _bleu(want, demo["references"]) > 30  # agreement on translations, not on noise
+    # agreement on translations, not on noise
+    assert _bleu(ours.translate_text(sources, beam=1), demo["references"]) > 30
 
 
 def test_a_scale_norm_model_is_refused_by_name():
