@@ -166,11 +166,18 @@ def test_auto_takes_a_bf16_precision_only_when_clearly_faster(
 def probe_on_a_fake_clock(monkeypatch, model, max_tokens: int, costs: dict[str, float]):
     """runtime.choose_cpu_precision over the real probe step of `model` (train.cpu_probe_step),
     timed by a clock that each step advances by `costs[precision]`: the choice, and the (precision,
-    dtype of the output layer's logits) of every step that ran."""
+    dtype of the output layer's matmuls) of every step that ran. On a CPU the probe's step, like
+    training's, computes the loss in chunks (model.chunked_output_loss), told that dtype."""
+    from transformer_mt import model as model_module
     from transformer_mt.config import TrainConfig
 
     now, runs, logits = [0.0], [], []
-    model.generator.register_forward_hook(lambda module, args, out: logits.append(out.dtype))
+    chunked = model_module.chunked_output_loss
+    monkeypatch.setattr(
+        model_module,
+        "chunked_output_loss",
+        lambda h, w, y, eps, dtype: logits.append(dtype) or chunked(h, w, y, eps, dtype),
+    )
     real_step = prepare.cpu_probe_step(model, TrainConfig(max_tokens=max_tokens), CPU)
 
     def step(precision: str) -> None:
@@ -196,7 +203,7 @@ def probe_on_a_fake_clock(monkeypatch, model, max_tokens: int, costs: dict[str, 
 def test_the_probe_runs_a_real_training_step_in_each_precision(
     native_bf16, monkeypatch, costs, chosen
 ):
-    """Each candidate is a real step in its precision (the output layer's logits in bf16 for
+    """Each candidate is a real step in its precision (the output layer's matmuls in bf16 for
     bf16-output and bf16), a warm-up and two timed; the choice follows the timings; and the probe
     leaves the model as it found it."""
     from transformer_mt.config import ModelConfig

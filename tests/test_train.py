@@ -7,13 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformer_mt import model as model_module
 from transformer_mt import train as train_module
 from transformer_mt.checkpoint import load_for_inference, validation_score
 from transformer_mt.config import config_from_dict
 from transformer_mt.data import collate, read_split
 from transformer_mt.errors import TrainingDiverged
 from transformer_mt.inference import Translator
-from transformer_mt.model import label_smoothed_loss, symmetric_kl
+from transformer_mt.model import chunked_output_loss, label_smoothed_loss, symmetric_kl
 from transformer_mt.optim import cooldown_factor, noam, noam_ramp
 from transformer_mt.train import Stop, Trainer, TrainState, limits_reached
 from transformer_mt.vocab import PAD, UNK
@@ -36,6 +37,52 @@ def test_loss_is_label_smoothed_cross_entropy_over_non_padding():
     # Without smoothing it is the plain negative log-likelihood.
     nll = -sum(logp[b, t, target[b, t]] for b in range(2) for t in range(5) if target[b, t] != PAD)
     torch.testing.assert_close(label_smoothed_loss(logits, target, 0.0), nll)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_the_chunked_output_loss_is_the_loss_of_the_whole_logits(eps, monkeypatch):
+    """chunked_output_loss(h, W, y) = label_smoothed_loss(h @ W^T, y) in value and in both
+    gradients, over chunks of 3 rows (a last one short) with padding spread across them."""
+    monkeypatch.setattr(model_module, "OUTPUT_CHUNK_ELEMENTS", 3 * 13)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 7, 8, generator=g, requires_grad=True)  # 14 rows: chunks of 3, 3, 3, 3, 2
+    w = torch.randn(13, 8, generator=g, requires_grad=True)
+    target = torch.randint(1, 13, (2, 7), generator=g)
+    target[0, 2], target[1, 4:] = PAD, PAD
+    expected = label_smoothed_loss(F.linear(h, w), target, eps)
+    (expected * 3).backward()
+    grads = h.grad, w.grad
+    h.grad = w.grad = None
+    got = chunked_output_loss(h, w, target, eps)
+    (got * 3).backward()  # the saved gradients are scaled by the loss's
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close((h.grad, w.grad), grads)
+    assert (h.grad[1, 4:] == 0).all()  # padding: no loss, no gradient
+
+
+def test_the_cpu_step_computes_its_loss_in_chunks_with_the_whole_logits_gradients(copy_config):
+    """On a CPU the trainer takes the chunked loss (prepare.chunked_loss, not with R-Drop); its loss
+    and gradients are those of F.cross_entropy on the whole logits (the same trainer, switched).
+    Gradients, not updates: Adam's first step divides each by its own size, so one that is ~0 in
+    exact arithmetic (a key bias) moves by its rounding error's sign."""
+    trainer = Trainer(copy_config())
+    assert trainer.chunked_loss and not Trainer(copy_config(r_drop=1.0)).chunked_loss
+    batch = collate(trainer.data.train, trainer.batches.epoch(1)[0])
+    found = []
+    for chunked in (True, False):
+        trainer.chunked_loss = chunked
+        torch.manual_seed(0)  # the same dropout and word-dropout masks
+        loss, objective = trainer._loss(batch)
+        objective.backward()
+        found.append((loss.detach(), {n: p.grad for n, p in trainer.model.named_parameters()}))
+        trainer.model.zero_grad(set_to_none=True)
+    (loss, grads), (whole_loss, whole_grads) = found
+    torch.testing.assert_close(loss, whole_loss)
+    for name, grad in grads.items():  # sums over the batch's tokens, added in another order
+        scale = whole_grads[name].abs().max().item()
+        torch.testing.assert_close(
+            grad, whole_grads[name], msg=lambda m, n=name: f"{n}: {m}", atol=1e-5 * scale, rtol=1e-4
+        )
 
 
 def test_symmetric_kl_is_both_kl_divergences_over_non_padding():
@@ -285,11 +332,17 @@ def test_accumulated_update_equals_one_big_batch(copy_config):
 
 def noised_step_inputs(trainer, monkeypatch):
     """One training step's batch, with the (src, tgt_in) its forward saw and the labels its loss
-    saw."""
+    saw (on a CPU the forward's tgt_out: the model computes the loss, prepare.chunked_loss)."""
     batch = collate(trainer.data.train, trainer.batches.epoch(1)[0])
     inputs, labels = [], []
     forward, loss = trainer.forward, label_smoothed_loss
-    trainer.forward = lambda src, tgt_in: inputs.append((src, tgt_in)) or forward(src, tgt_in)
+
+    def seen(src, tgt_in, tgt_out=None, *rest):
+        inputs.append((src, tgt_in))
+        labels.extend([] if tgt_out is None else [tgt_out])
+        return forward(src, tgt_in, tgt_out, *rest)
+
+    trainer.forward = seen
     monkeypatch.setattr(
         "transformer_mt.train.label_smoothed_loss",
         lambda logits, tgt_out, eps: labels.append(tgt_out) or loss(logits, tgt_out, eps),
@@ -331,6 +384,9 @@ def test_r_drop_without_any_dropout_is_the_plain_update(copy_config):
     # The copy model has no dropout: both passes predict alike, the KL term is 0, and their mean
     # loss is the single pass's, so the update must be the one without R-Drop.
     plain, r_drop = Trainer(copy_config()), Trainer(copy_config(r_drop=5.0))
+    # R-Drop needs the whole logits: the plain step too, or Adam's first step (each gradient over
+    # its own size) amplifies the two paths' rounding in gradients that are ~0 (a key bias).
+    plain.chunked_loss = False
     batch = collate(plain.data.train, plain.batches.epoch(1)[0])
     torch.testing.assert_close(r_drop.train_step([batch]), plain.train_step([batch]))
     for (name, p), q in zip(plain.model.named_parameters(), r_drop.model.parameters()):

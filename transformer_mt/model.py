@@ -418,15 +418,29 @@ class Transformer(nn.Module):
             cache.length += tgt_in.size(1)
         return h
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        src: torch.Tensor,
+        tgt_in: torch.Tensor,
+        tgt_out: Optional[torch.Tensor] = None,
+        smoothing: float = 0.0,
+    ) -> torch.Tensor:
         """Teacher-forced logits (B, T, V) of src (B, S) and tgt_in (B, T) ids.
 
         Every position is projected, padding included: picking the real tokens first skips the
         padding in the largest matrix multiply, but was slower overall in `make bench` ablations
-        (BENCHMARKS.md).
+        (BENCHMARKS.md). With tgt_out (B, T), the summed label-smoothed loss instead, from
+        chunked_output_loss: the CPU's training step, which never needs the logits whole.
         """
         memory, src_mask = self.encode(src)
         h = self.decode(tgt_in, memory, src_mask)  # (B, T, d)
+        if tgt_out is not None:
+            device = h.device.type
+            autocast_dtype = torch.get_autocast_dtype(device)
+            dtype = self.output_dtype or (
+                autocast_dtype if torch.is_autocast_enabled(device) else torch.float32
+            )
+            return chunked_output_loss(h, self.generator.weight, tgt_out, smoothing, dtype)
         if self.output_dtype is None:
             return self.generator(h)
         with torch.autocast(h.device.type, dtype=self.output_dtype):
@@ -564,6 +578,79 @@ def label_smoothed_loss(
         label_smoothing=smoothing,
         reduction="sum",
     )
+
+
+# The logits chunked_output_loss makes at a time: 256 rows of a 10,000-piece vocabulary (10 MB of
+# fp32). On the recipe's step, 128 to 512 rows were level; 32 were slower than no chunking (each
+# chunk runs a dozen small ops and three small matmuls) (docs/multi30k.md).
+OUTPUT_CHUNK_ELEMENTS = 2_560_000
+
+
+class _ChunkedOutputLoss(torch.autograd.Function):
+    """label_smoothed_loss(h @ W^T, target, eps) and its gradients, one chunk of rows at a time.
+
+    With z = h W^T, p = softmax(z) and lse = log sum_v exp(z_v), a row's loss is
+    lse - (1 - eps) z_t - (eps / V) sum_v z_v, and dloss/dz = p - (1 - eps) onehot(t) - eps / V.
+    Only p depends on the whole row: it is made, used for both gradient matmuls and dropped chunk
+    by chunk. The one-hot and eps / V parts reduce to (n, d) and (V, d) terms: sum_v z_v = h . sum_v
+    W_v, and the one-hot picks rows of W (for dh) and adds rows of h (for dW). The gradients are
+    computed in the forward pass (the loss is the end of the graph) and scaled in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, target, smoothing, dtype):  # type: ignore[override]
+        # h (N, d), weight (V, d), target (N,) with PAD where there is no token
+        V = weight.size(0)
+        keep = (target != PAD).nonzero().squeeze(1)  # (n,)
+        x, t = h[keep].float(), target[keep]  # (n, d), (n,)
+        w = weight.to(dtype)  # the matmuls' precision: bf16-output or autocast's, else fp32
+        w_sum = weight.float().sum(0)  # (d,)
+        lse = x.new_empty(len(t))  # (n,)
+        grad_x = torch.empty_like(x)  # (n, d)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32)  # (V, d)
+        rows = max(1, OUTPUT_CHUNK_ELEMENTS // V)
+        for s in range(0, len(t), rows):
+            xc = x[s : s + rows]  # (c, d)
+            z = (xc.to(dtype) @ w.t()).float()  # (c, V) logits
+            top = z.amax(-1, keepdim=True)  # (c, 1)
+            e = z.sub_(top).exp_()  # (c, V): exp(z - top), in place
+            total = e.sum(-1, keepdim=True)  # (c, 1)
+            lse[s : s + rows] = (top + total.log()).squeeze(1)
+            inv = total.reciprocal()  # p = e / total: scale the (c, d) sides, not the (c, V) one
+            grad_x[s : s + rows] = (e.to(dtype) @ w).float() * inv  # p @ W
+            grad_w += (e.t().to(dtype) @ (xc * inv).to(dtype)).float()  # p^T @ h
+        w_t = weight[t].float()  # (n, d)
+        z_t = (x * w_t).sum(-1)  # (n,) the target's logit
+        loss = (lse - (1 - smoothing) * z_t - (smoothing / V) * (x @ w_sum)).sum()
+        grad_x -= (1 - smoothing) * w_t + (smoothing / V) * w_sum
+        grad_w -= (smoothing / V) * x.sum(0)
+        grad_w.index_add_(0, t, x, alpha=-(1 - smoothing))
+        grad_h = torch.zeros_like(h)
+        grad_h[keep] = grad_x.to(h.dtype)
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+
+
+def chunked_output_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    smoothing: float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """label_smoothed_loss(h @ weight^T, target, smoothing) without the (tokens, V) logits: the
+    softmax and both gradient matmuls run on chunks of rows that stay in the CPU's cache, where the
+    whole matrix makes six passes through memory. h (..., d) decoder states, weight (V, d) the
+    output projection, target (...); the matmuls run in `dtype`, the softmax in fp32."""
+    with torch.autocast(h.device.type, enabled=False):
+        return _ChunkedOutputLoss.apply(
+            h.reshape(-1, h.size(-1)), weight, target.reshape(-1), smoothing, dtype
+        )
 
 
 def symmetric_kl(

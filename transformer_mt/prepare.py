@@ -131,6 +131,14 @@ def build_model(cfg: Config, tokenizer: Tokenizer, parent: Parent | None) -> Tra
     return model
 
 
+def chunked_loss(tc: TrainConfig, device: torch.device) -> bool:
+    """Whether training computes its loss with model.chunked_output_loss (the model's forward with
+    tgt_out): on a CPU, where the (tokens, V) logits cost more to pass through memory than to
+    compute; not with R-Drop, whose consistency term needs both passes' logits, nor under
+    torch.compile. A GPU keeps F.cross_entropy on the whole logits."""
+    return device.type == "cpu" and tc.passes == 1 and not tc.compile
+
+
 def training_forward(
     model: Transformer, tc: TrainConfig, d: Dist, device: torch.device
 ) -> torch.nn.Module:
@@ -173,12 +181,16 @@ def cpu_probe_step(
     src = (torch.arange(n) % (model.src_embed.lut.num_embeddings - 4) + 4).view(-1, T).to(device)
     # (B, T)
     tgt = (torch.arange(n) % (model.generator.out_features - 4) + 4).view(-1, T).to(device)
+    chunked = chunked_loss(tc, device)
 
     def step(precision: str) -> None:
         model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
         with autocast(precision, device):
-            logits = model(src, tgt)  # (B, T, V)
-        label_smoothed_loss(logits, tgt, tc.label_smoothing).backward()
+            if chunked:
+                loss = model(src, tgt, tgt, tc.label_smoothing)
+            else:
+                loss = label_smoothed_loss(model(src, tgt), tgt, tc.label_smoothing)
+        loss.backward()
         model.zero_grad(set_to_none=True)
         model.output_dtype = None
 

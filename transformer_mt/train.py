@@ -43,6 +43,7 @@ from .optim import build_optimizer, cooldown_by_steps, plan_cooldown, plan_warmu
 from .prepare import (
     NullWriter,
     build_model,
+    chunked_loss,
     describe_run,
     init_runtime,
     open_event_log,
@@ -162,6 +163,7 @@ class Trainer:
         self.model = build_model(cfg, self.tokenizer, parent).to(self.device)
         self.precision = set_up_precision(self.model, tc, self.dist, self.device, resumed)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
+        self.chunked_loss = chunked_loss(tc, self.device)
         self.state, self.writer = TrainState(), NullWriter()  # the event log opens in _start
         self.optimizer, self.scheduler = build_optimizer(
             self.model,
@@ -416,6 +418,9 @@ class Trainer:
         tgt_in = word_dropout(batch.tgt_in.repeat(passes, 1), tgt_rate)  # (passes·B, T)
         tgt_out = batch.tgt_out.repeat(passes, 1)  # (passes·B, T)
         with autocast(self.precision, self.device):
+            if self.chunked_loss:  # the loss without the whole logits (prepare.chunked_loss)
+                loss = self.forward(src, tgt_in, tgt_out, tc.label_smoothing)
+                return loss, loss
             logits = self.forward(src, tgt_in)  # (passes·B, T, V)
         loss = label_smoothed_loss(logits, tgt_out, tc.label_smoothing) / passes
         if passes == 1:

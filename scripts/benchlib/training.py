@@ -23,6 +23,7 @@ from transformer_mt.data import (
 )
 from transformer_mt.model import Dropout, Transformer, label_smoothed_loss
 from transformer_mt.optim import build_optimizer
+from transformer_mt.prepare import chunked_loss
 from transformer_mt.runtime import BF16_OUTPUT, autocast
 from transformer_mt.tokenizer import Tokenizer
 
@@ -75,11 +76,15 @@ def training_step(model: Transformer, tc: TrainConfig, precision: str) -> Step:
     model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
     model.train()
     optimizer, scheduler = build_optimizer(model, tc, device)
+    chunked = chunked_loss(tc, device)
 
     def step(batch: Batch) -> torch.Tensor:
         with autocast(precision, device):
-            logits = model(batch.src, batch.tgt_in)  # (B, T, V)
-        loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
+            if chunked:  # the training loop's CPU step: the loss without the whole logits
+                loss = model(batch.src, batch.tgt_in, batch.tgt_out, tc.label_smoothing)
+            else:
+                logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+                loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
         (loss / batch.n_tgt_tokens).backward()
         if tc.clip_norm > 0:
             nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
