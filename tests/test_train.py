@@ -60,13 +60,42 @@ def test_the_chunked_output_loss_is_the_loss_of_the_whole_logits(eps, monkeypatc
     assert (h.grad[1, 4:] == 0).all()  # padding: no loss, no gradient
 
 
+def test_the_chunked_loss_in_bf16_is_as_close_to_fp32_as_f_cross_entropy_on_bf16_logits():
+    """bf16 matmuls (bf16-output, bf16 autocast): a confident model's gradient at the target,
+    p_t - (1 - eps) - eps / V, is a small difference; the chunked loss rounds it once, as the
+    whole-logits path does, not p @ W and the one-hot term apart (2-3x the error)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(50, 32, generator=g)
+    target = torch.randint(4, 50, (64,), generator=g)
+    h = 1.5 * w[target] / w[target].norm(dim=-1, keepdim=True)  # p_t about 0.92
+    h += 0.1 * torch.randn(64, 32, generator=g)
+
+    def grads(loss_of):
+        x, v = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss_of(x, v).backward()
+        return x.grad, v.grad
+
+    def whole_bf16(x, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = F.linear(x, v)  # (64, 50) bf16
+        return label_smoothed_loss(logits, target, 0.1)
+
+    exact = grads(lambda x, v: label_smoothed_loss(F.linear(x, v), target, 0.1))
+    reference = grads(whole_bf16)
+    chunked = grads(lambda x, v: chunked_output_loss(x, v, target, 0.1, torch.bfloat16))
+    for got, ref, want in zip(chunked, reference, exact):
+        error, ref_error = (got - want).norm() / want.norm(), (ref - want).norm() / want.norm()
+        assert error <= 1.25 * ref_error + 1e-3, (error, ref_error)
+
+
 def test_the_cpu_step_computes_its_loss_in_chunks_with_the_whole_logits_gradients(copy_config):
-    """On a CPU the trainer takes the chunked loss (prepare.chunked_loss, not with R-Drop); its loss
-    and gradients are those of F.cross_entropy on the whole logits (the same trainer, switched).
-    Gradients, not updates: Adam's first step divides each by its own size, so one that is ~0 in
-    exact arithmetic (a key bias) moves by its rounding error's sign."""
+    """On a CPU the trainer takes the chunked loss (prepare.chunked_loss; not with R-Drop or fp16):
+    its loss and gradients are those of F.cross_entropy on the whole logits (the same trainer,
+    switched). Gradients, not updates: Adam's first step divides each by its own size, so one that
+    is ~0 in exact arithmetic (a key bias) moves by its rounding error's sign."""
     trainer = Trainer(copy_config())
     assert trainer.chunked_loss and not Trainer(copy_config(r_drop=1.0)).chunked_loss
+    assert not Trainer(copy_config(precision="fp16")).chunked_loss  # loss scaling needs the logits
     batch = collate(trainer.data.train, trainer.batches.epoch(1)[0])
     found = []
     for chunked in (True, False):

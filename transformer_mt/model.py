@@ -592,9 +592,12 @@ class _ChunkedOutputLoss(torch.autograd.Function):
     With z = h W^T, p = softmax(z) and lse = log sum_v exp(z_v), a row's loss is
     lse - (1 - eps) z_t - (eps / V) sum_v z_v, and dloss/dz = p - (1 - eps) onehot(t) - eps / V.
     Only p depends on the whole row: it is made, used for both gradient matmuls and dropped chunk
-    by chunk. The one-hot and eps / V parts reduce to (n, d) and (V, d) terms: sum_v z_v = h . sum_v
-    W_v, and the one-hot picks rows of W (for dh) and adds rows of h (for dW). The gradients are
-    computed in the forward pass (the loss is the end of the graph) and scaled in the backward.
+    by chunk. In fp32 the one-hot and eps / V parts reduce to (n, d) and (V, d) terms (sum_v z_v =
+    h . sum_v W_v; the one-hot picks rows of W for dh and adds rows of h for dW), and p's 1 / sum is
+    applied to the (c, d) sides. With bf16 matmuls the chunk's whole dloss/dz is made in fp32 and
+    rounded once, as F.cross_entropy's backward does on bf16 logits: where p_t is near 1 - eps the
+    gradient is a small difference, which rounding its two large terms apart would lose. The
+    gradients are computed in the forward pass (the loss ends the graph), scaled in the backward.
     """
 
     @staticmethod
@@ -603,28 +606,36 @@ class _ChunkedOutputLoss(torch.autograd.Function):
         V = weight.size(0)
         keep = (target != PAD).nonzero().squeeze(1)  # (n,)
         x, t = h[keep].float(), target[keep]  # (n, d), (n,)
+        exact = dtype == torch.float32
         w = weight.to(dtype)  # the matmuls' precision: bf16-output or autocast's, else fp32
         w_sum = weight.float().sum(0)  # (d,)
-        lse = x.new_empty(len(t))  # (n,)
+        lse, z_t = x.new_empty(len(t)), x.new_empty(len(t))  # (n,) each
         grad_x = torch.empty_like(x)  # (n, d)
         grad_w = torch.zeros_like(weight, dtype=torch.float32)  # (V, d)
         rows = max(1, OUTPUT_CHUNK_ELEMENTS // V)
         for s in range(0, len(t), rows):
-            xc = x[s : s + rows]  # (c, d)
+            xc, tc = x[s : s + rows], t[s : s + rows]  # (c, d), (c,)
             z = (xc.to(dtype) @ w.t()).float()  # (c, V) logits
+            z_t[s : s + rows] = z.gather(1, tc[:, None]).squeeze(1)
             top = z.amax(-1, keepdim=True)  # (c, 1)
             e = z.sub_(top).exp_()  # (c, V): exp(z - top), in place
             total = e.sum(-1, keepdim=True)  # (c, 1)
             lse[s : s + rows] = (top + total.log()).squeeze(1)
-            inv = total.reciprocal()  # p = e / total: scale the (c, d) sides, not the (c, V) one
-            grad_x[s : s + rows] = (e.to(dtype) @ w).float() * inv  # p @ W
-            grad_w += (e.t().to(dtype) @ (xc * inv).to(dtype)).float()  # p^T @ h
-        w_t = weight[t].float()  # (n, d)
-        z_t = (x * w_t).sum(-1)  # (n,) the target's logit
+            if exact:  # p @ W and p^T @ h, with p = e / total applied to the (c, d) sides
+                inv = total.reciprocal()
+                grad_x[s : s + rows] = (e @ w) * inv
+                grad_w += e.t() @ (xc * inv)
+            else:  # the chunk's whole dloss/dz, rounded once
+                dz = e.mul_(total.reciprocal()).sub_(smoothing / V)
+                dz[torch.arange(len(tc)), tc] -= 1 - smoothing
+                dz = dz.to(dtype)
+                grad_x[s : s + rows] = (dz @ w).float()
+                grad_w += (dz.t() @ xc.to(dtype)).float()
         loss = (lse - (1 - smoothing) * z_t - (smoothing / V) * (x @ w_sum)).sum()
-        grad_x -= (1 - smoothing) * w_t + (smoothing / V) * w_sum
-        grad_w -= (smoothing / V) * x.sum(0)
-        grad_w.index_add_(0, t, x, alpha=-(1 - smoothing))
+        if exact:
+            grad_x -= (1 - smoothing) * weight[t].float() + (smoothing / V) * w_sum
+            grad_w -= (smoothing / V) * x.sum(0)
+            grad_w.index_add_(0, t, x, alpha=-(1 - smoothing))
         grad_h = torch.zeros_like(h)
         grad_h[keep] = grad_x.to(h.dtype)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))

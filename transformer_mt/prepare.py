@@ -135,8 +135,9 @@ def chunked_loss(tc: TrainConfig, device: torch.device) -> bool:
     """Whether training computes its loss with model.chunked_output_loss (the model's forward with
     tgt_out): on a CPU, where the (tokens, V) logits cost more to pass through memory than to
     compute; not with R-Drop, whose consistency term needs both passes' logits, nor under
-    torch.compile. A GPU keeps F.cross_entropy on the whole logits."""
-    return device.type == "cpu" and tc.passes == 1 and not tc.compile
+    torch.compile, nor in fp16, whose loss scaling must reach the logits' gradient before it is
+    rounded. A GPU keeps F.cross_entropy on the whole logits."""
+    return device.type == "cpu" and tc.passes == 1 and not tc.compile and tc.precision != "fp16"
 
 
 def training_forward(
