@@ -7,7 +7,6 @@ import logging
 from typing import Any, Callable
 
 import torch
-from torch.torch_version import TorchVersion
 
 from .config import TrainConfig
 from .model import Transformer
@@ -111,11 +110,10 @@ def plan_cooldown(
 
 def adam_implementation(device: torch.device) -> dict[str, bool]:
     """Adam's fastest implementation on `device`: fused (one kernel over all parameters) on GPUs
-    and, since torch 2.4, on CPUs, where foreach falls back to small ops per parameter (the
-    recipe's 129 tensors: 15 against 5 ms a step with AVX2 kernels; docs/multi30k.md); foreach
-    elsewhere."""
-    fused_cpu = TorchVersion(torch.__version__) >= "2.4"
-    if device.type == "cuda" or (device.type == "cpu" and fused_cpu):
+    and CPUs (torch >= 2.4, as pyproject.toml requires), where foreach falls back to small ops per
+    parameter (the recipe's 129 tensors: 15 against 5 ms a step with AVX2 kernels;
+    docs/multi30k.md); foreach elsewhere."""
+    if device.type in ("cuda", "cpu"):
         return {"fused": True, "foreach": False}
     return {"fused": False, "foreach": True}
 

@@ -140,6 +140,22 @@ def chunked_loss(tc: TrainConfig, device: torch.device) -> bool:
     return device.type == "cpu" and tc.passes == 1 and not tc.compile and tc.precision != "fp16"
 
 
+def training_loss(
+    forward: Callable[..., torch.Tensor],
+    src: torch.Tensor,
+    tgt_in: torch.Tensor,
+    tgt_out: torch.Tensor,
+    smoothing: float,
+    chunked: bool,
+) -> torch.Tensor:
+    """The summed label-smoothed loss of one teacher-forced pass of `forward` (the model, or DDP
+    around it): computed inside the forward, in chunks, when `chunked` (chunked_loss), else on the
+    whole logits."""
+    if chunked:
+        return forward(src, tgt_in, tgt_out, smoothing)
+    return label_smoothed_loss(forward(src, tgt_in), tgt_out, smoothing)
+
+
 def training_forward(
     model: Transformer, tc: TrainConfig, d: Dist, device: torch.device
 ) -> torch.nn.Module:
@@ -187,10 +203,7 @@ def cpu_probe_step(
     def step(precision: str) -> None:
         model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
         with autocast(precision, device):
-            if chunked:
-                loss = model(src, tgt, tgt, tc.label_smoothing)
-            else:
-                loss = label_smoothed_loss(model(src, tgt), tgt, tc.label_smoothing)
+            loss = training_loss(model, src, tgt, tgt, tc.label_smoothing, chunked)
         loss.backward()
         model.zero_grad(set_to_none=True)
         model.output_dtype = None

@@ -21,9 +21,9 @@ from transformer_mt.data import (
     prepare_data,
     prepare_tokenizer,
 )
-from transformer_mt.model import Dropout, Transformer, label_smoothed_loss
+from transformer_mt.model import Dropout, Transformer
 from transformer_mt.optim import build_optimizer
-from transformer_mt.prepare import chunked_loss
+from transformer_mt.prepare import chunked_loss, training_loss
 from transformer_mt.runtime import BF16_OUTPUT, autocast
 from transformer_mt.tokenizer import Tokenizer
 
@@ -80,11 +80,9 @@ def training_step(model: Transformer, tc: TrainConfig, precision: str) -> Step:
 
     def step(batch: Batch) -> torch.Tensor:
         with autocast(precision, device):
-            if chunked:  # the training loop's CPU step: the loss without the whole logits
-                loss = model(batch.src, batch.tgt_in, batch.tgt_out, tc.label_smoothing)
-            else:
-                logits = model(batch.src, batch.tgt_in)  # (B, T, V)
-                loss = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
+            loss = training_loss(
+                model, batch.src, batch.tgt_in, batch.tgt_out, tc.label_smoothing, chunked
+            )
         (loss / batch.n_tgt_tokens).backward()
         if tc.clip_norm > 0:
             nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
