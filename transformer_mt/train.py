@@ -51,6 +51,7 @@ from .prepare import (
     progress_bar,
     set_up_precision,
     training_forward,
+    training_loss,
 )
 from .runtime import Meter, StopSignals, autocast, compute_dtype, matmul_gflops
 
@@ -418,13 +419,13 @@ class Trainer:
         tgt_in = word_dropout(batch.tgt_in.repeat(passes, 1), tgt_rate)  # (passes·B, T)
         tgt_out = batch.tgt_out.repeat(passes, 1)  # (passes·B, T)
         with autocast(self.precision, self.device):
-            if self.chunked_loss:  # the loss without the whole logits (prepare.chunked_loss)
-                loss = self.forward(src, tgt_in, tgt_out, tc.label_smoothing)
+            if passes == 1:  # in chunks where prepare.chunked_loss says so, as the probe timed it
+                loss = training_loss(
+                    self.forward, src, tgt_in, tgt_out, tc.label_smoothing, self.chunked_loss
+                )
                 return loss, loss
             logits = self.forward(src, tgt_in)  # (passes·B, T, V)
         loss = label_smoothed_loss(logits, tgt_out, tc.label_smoothing) / passes
-        if passes == 1:
-            return loss, loss
         first, second = logits.chunk(2)  # (B, T, V) each
         # Liang et al.'s NLL1 + NLL2 + α/2·(KL(1‖2) + KL(2‖1)), halved: per pass, as without it
         return loss, loss + tc.r_drop * symmetric_kl(first, second, batch.tgt_out) / 4
