@@ -617,7 +617,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--decode-lengths", type=int, nargs="+", default=[10, 25, 50, 100, 200])
     ap.add_argument("--out", default=str(BENCHMARKS))
-    ap.add_argument("--json", default=str(ROOT / "bench.json"))
+    ap.add_argument(
+        "--json", help="the results file (default bench.json; --training-only needs its own)"
+    )
     ap.add_argument("--report-only", action="store_true", help="rewrite --out from --json")
     ap.add_argument(
         "--decode-only",
@@ -625,6 +627,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="re-run only the decoding comparison, updating an existing --json and --out",
     )
     args = ap.parse_args(argv)
+    if args.training_only and args.json is None:  # its partial result would replace bench.json
+        ap.error("--training-only writes only the fp32 training rows: give it its own --json PATH")
+    args.json = args.json or str(ROOT / "bench.json")
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 10, 2
         args.no_peers = args.no_ablation = True

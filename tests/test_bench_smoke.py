@@ -132,6 +132,14 @@ def test_speed(tiny, tmp_path):
     assert "fairseq not measured" in text
 
 
+def test_training_only_without_its_own_json_is_refused_before_bench_json_is_touched(capsys):
+    # --training-only writes a partial result: to the default bench.json it would lose the rest
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--training-only"])
+    assert "give it its own --json" in capsys.readouterr().err
+    assert bench.parse_args([]).json.endswith("bench.json")
+
+
 def test_decoding_engines(tiny, tmp_path):
     names = ["transformer-mt fp32", "ctranslate2 int8"]
     argv = ["--checkpoint", str(tiny.run / "checkpoints" / "best.pt")]
