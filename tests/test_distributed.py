@@ -3,6 +3,7 @@ batch."""
 
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -124,10 +125,9 @@ def test_two_process_run_resumed_equals_one_never_stopped(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_leaves_the_process_group_so_gloo_threads_do_not_abort_at_exit(tmp_path):
-    # A rank that exits with the group alive can die in gloo's teardown ("terminate called without
-    # an active exception", SIGABRT: pytorch/pytorch#190489). A one-rank gloo group stands in for
-    # torchrun here.
+def test_training_leaves_the_process_group_on_every_way_out(tmp_path):
+    # After a barrier, so that no rank goes on while rank 0 still writes. A one-rank gloo group
+    # stands in for torchrun here.
     import torch.distributed as dist
 
     from transformer_mt.config import load_config
@@ -144,6 +144,51 @@ def test_training_leaves_the_process_group_so_gloo_threads_do_not_abort_at_exit(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_torchrun_rank_ends_without_python_finalization_and_loses_no_output(tmp_path):
+    """Two-rank runs aborted about once in a hundred after finishing: a gloo worker thread still
+    freeing the last collectives' tensors took the GIL during finalization (gdb: pthread_exit from
+    take_gil under ~AsyncBarrierWork, then std::terminate). A rank now ends with os._exit; a process
+    that joined no group exits normally. The atexit line shows whether finalization ran; stdout is
+    a pipe (block-buffered), so the rank's line shows that it was flushed."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        textwrap.dedent("""\
+        import atexit, sys
+        import torch
+        from transformer_mt.distributed import exit_process, init_distributed, leave_distributed
+
+        atexit.register(lambda: print("finalized"))
+        d = init_distributed("cpu")
+        t = torch.ones(1)
+        if d.world > 1:
+            torch.distributed.all_reduce(t)
+        print(f"rank {d.rank} of {d.world} summed {t.item():.0f}")
+        leave_distributed(clean=True)
+        exit_process(int(sys.argv[1]))
+        """)
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["OMP_NUM_THREADS"] = "1"
+    ranks = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [str(script), "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    # the ranks share one pipe: their lines may come interleaved
+    said = sorted(re.findall(r"rank \d of \d summed \d|finalized", ranks.stdout))
+    assert said == ["rank 0 of 2 summed 2", "rank 1 of 2 summed 2"], ranks.stdout
+    alone = subprocess.run(
+        [sys.executable, str(script), "3"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert alone.returncode == 3
+    assert alone.stdout.splitlines() == ["rank 0 of 1 summed 1", "finalized"]
 
 
 def test_each_rank_draws_its_own_dropout_masks_and_rank_0_those_of_one_process(monkeypatch):

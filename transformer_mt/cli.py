@@ -14,7 +14,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Iterator, NoReturn, Optional, TextIO
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -922,5 +922,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         logger.removeHandler(handler)
 
 
+def run() -> NoReturn:
+    """The `tmt` command: main() and its exit status. A torchrun rank ends without Python's
+    finalization (distributed.exit_process); a command that never imported torch stays clear of
+    it (`tmt --help` is quick)."""
+    code = main()
+    distributed = sys.modules.get("transformer_mt.distributed")
+    if distributed is not None:
+        distributed.exit_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
