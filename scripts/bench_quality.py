@@ -22,6 +22,7 @@ usage: python -m scripts.bench_quality [--recipe CONFIG] [--budget MINUTES] [--f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -58,6 +59,7 @@ from scripts.benchlib import (
     write_section,
 )
 from transformer_mt.checkpoint import ensemble_members, step_checkpoints
+from transformer_mt.config import load_config
 from transformer_mt.data import DataError
 from transformer_mt.fileio import atomic_write
 
@@ -362,6 +364,27 @@ def setting(value: object) -> object:
     return value
 
 
+def recipe_settings(cfg: dict) -> dict[str, object]:
+    """A config's RECIPE_KEYS (config.yaml's nesting) as the history table shows them."""
+    return {f"{a}.{b}": setting(cfg[a].get(b, "")) for a, b in RECIPE_KEYS}
+
+
+def changed_settings(res: dict, r: dict) -> list[str]:
+    """ "`key` then (now …)" for each recipe setting of run r (its history entry) that its config
+    file no longer has, leaving out the keys its --set changes name; [] when either is missing."""
+    config = ROOT / r.get("config", res.get("recipe_config", ""))
+    then = next((h for h in res.get("history", []) if h["date"] == r.get("date")), None)
+    if then is None or not config.is_file():
+        return []
+    now = recipe_settings(dataclasses.asdict(load_config(config)))
+    changed = [c.split("=")[0] for c in r.get("changes", "").split()]
+    return [
+        f"`{k}` {then[k]} (now {v})"
+        for k, v in now.items()
+        if k in then and then[k] != v and not any(c.startswith(k) for c in changed)
+    ]
+
+
 def record_experiment(res: dict, key: str, config: str, run_dir: Path, history: Path) -> None:
     """Append the recipe run res[key] (its settings and scores) to res["history"] and write the
     history table into `history` (docs/multi30k.md's `experiments` section)."""
@@ -372,7 +395,7 @@ def record_experiment(res: dict, key: str, config: str, run_dir: Path, history: 
         "config": config,
         "cpu": res.get("cpu", "") + (" (AVX2 kernels)" if run.get("avx2") else ""),
         "changes": run.get("changes", ""),
-        **{f"{a}.{b}": setting(cfg[a].get(b, "")) for a, b in RECIPE_KEYS},
+        **recipe_settings(cfg),
         **{k: run.get(k, "") for k in RESULT_KEYS},
     }
     res["history"] = [h for h in res.get("history", []) if h["date"] != entry["date"]] + [entry]
@@ -469,6 +492,10 @@ def recipe_blocks(res: dict, r: dict) -> list[str]:
         f"BLEU signature: `{r['bleu_signature']}`; chrF: `{r['chrf_signature']}`; TER: "
         f"`{r['ter_signature']}`.",
     ]
+    if changed := changed_settings(res, r):
+        blocks.append(
+            f"This run predates the config's present settings; it ran with {', '.join(changed)}."
+        )
     if "tokenized_bleu" in r:
         blocks.append(
             f"Beside it, the literature's measure: **tokenized BLEU {r['tokenized_bleu']:.2f}** "

@@ -152,3 +152,30 @@ def test_the_report_gives_an_ensembles_member_steps():
         "20 min (steps 3,100 and 3,050): 30.50; the end (1/best.pt + 2/best.pt, steps 11,000 and "
         "10,990): 42.00 / 42.50."
     ) in text
+
+
+def test_a_recipe_row_names_the_settings_its_config_has_changed_since(tmp_path):
+    config = tmp_path / "c.yaml"  # today's recipe: sampling on, 10,000 pieces
+    config.write_text(
+        "data: {train: t, valid: v, subword_sampling: {nbest: 16, alpha: 0.5}}\n"
+        "tokenizer: {vocab_size: 10000}\n"
+    )
+    run = {
+        "beam": 5, "bleu": 41.0, "chrf": 65.0, "ter": 44.0, "train_minutes": 58.0,
+        "steps": 10000, "step": 10000, "epochs": 41, "tgt_tok_per_s": 5600,
+        "sentences_per_second": 110, "evaluated": "best.pt", "bleu_signature": "s",
+        "chrf_signature": "c", "ter_signature": "t", "config": str(config),
+    }  # fmt: skip
+    entry = {"data.subword_sampling": "off", "tokenizer.vocab_size": 10000, "model.dropout": 0.3}
+    res = {"history": [{"date": "2026-11-27 11:01", **entry}], "date": "x", "cpu": "X"}
+
+    def sentence(**changes):
+        text = "\n\n".join(bench_quality.report({**res, "recipe": {**run, **changes}}))
+        return [b for b in text.split("\n\n") if b.startswith("This run predates")]
+
+    # the dropout differs too, but the recipe run had set it itself
+    assert sentence(date="2026-11-27 11:01", changes="model.dropout=0.3") == [
+        "This run predates the config's present settings; it ran with "
+        "`data.subword_sampling` off (now 16-best, α 0.5)."
+    ]
+    assert sentence(date="2026-11-27 12:00") == []  # no history entry: nothing to compare
