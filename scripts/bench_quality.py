@@ -381,7 +381,7 @@ def changed_settings(res: dict, r: dict) -> list[str]:
     return [
         f"`{k}` {then[k]} (now {v})"
         for k, v in now.items()
-        if k in then and then[k] != v and not any(c.startswith(k) for c in changed)
+        if k in then and then[k] != v and not any(c == k or c.startswith(k + ".") for c in changed)
     ]
 
 

@@ -178,4 +178,10 @@ def test_a_recipe_row_names_the_settings_its_config_has_changed_since(tmp_path):
         "This run predates the config's present settings; it ran with "
         "`data.subword_sampling` off (now 16-best, α 0.5)."
     ]
+    # a change to norm_type does not hide the norm it shares a prefix with
+    res["history"][0]["model.norm"] = "pre"
+    assert sentence(date="2026-11-27 11:01", changes="model.norm_type=scale model.dropout=0.3") == [
+        "This run predates the config's present settings; it ran with "
+        "`data.subword_sampling` off (now 16-best, α 0.5), `model.norm` pre (now post)."
+    ]
     assert sentence(date="2026-11-27 12:00") == []  # no history entry: nothing to compare
