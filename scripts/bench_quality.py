@@ -22,7 +22,6 @@ usage: python -m scripts.bench_quality [--recipe CONFIG] [--budget MINUTES] [--f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import shutil
@@ -376,7 +375,7 @@ def changed_settings(res: dict, r: dict) -> list[str]:
     then = next((h for h in res.get("history", []) if h["date"] == r.get("date")), None)
     if then is None or not config.is_file():
         return []
-    now = recipe_settings(dataclasses.asdict(load_config(config)))
+    now = recipe_settings(load_config(config).to_dict())
     changed = [c.split("=")[0] for c in r.get("changes", "").split()]
     return [
         f"`{k}` {then[k]} (now {v})"

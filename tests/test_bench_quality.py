@@ -161,11 +161,22 @@ def test_a_recipe_row_names_the_settings_its_config_has_changed_since(tmp_path):
         "tokenizer: {vocab_size: 10000}\n"
     )
     run = {
-        "beam": 5, "bleu": 41.0, "chrf": 65.0, "ter": 44.0, "train_minutes": 58.0,
-        "steps": 10000, "step": 10000, "epochs": 41, "tgt_tok_per_s": 5600,
-        "sentences_per_second": 110, "evaluated": "best.pt", "bleu_signature": "s",
-        "chrf_signature": "c", "ter_signature": "t", "config": str(config),
-    }  # fmt: skip
+        "beam": 5,
+        "bleu": 41.0,
+        "chrf": 65.0,
+        "ter": 44.0,
+        "train_minutes": 58.0,
+        "steps": 10000,
+        "step": 10000,
+        "epochs": 41,
+        "tgt_tok_per_s": 5600,
+        "sentences_per_second": 110,
+        "evaluated": "best.pt",
+        "bleu_signature": "s",
+        "chrf_signature": "c",
+        "ter_signature": "t",
+        "config": str(config),
+    }
     entry = {"data.subword_sampling": "off", "tokenizer.vocab_size": 10000, "model.dropout": 0.3}
     res = {"history": [{"date": "2026-11-27 11:01", **entry}], "date": "x", "cpu": "X"}
 
