@@ -348,6 +348,7 @@ RECIPE_KEYS = [
     ("train", "ensemble"),
     ("train", "precision"),
     ("train", "max_minutes"),
+    ("train", "max_steps"),
     ("train", "save_every"),
     ("train", "average_last"),
     ("decode", "alpha"),
