@@ -363,3 +363,17 @@ def test_a_folder_renamed_into_place_has_a_plain_mkdirs_permissions(tmp_path):
         os.umask(umask)
     assert made.parent == tmp_path and made.name.startswith("x.")
     assert made.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_stop_signal_during_a_write_to_the_same_stream_still_stops_the_run(monkeypatch, capfd):
+    """A signal that lands while the main thread writes the log (a member's train.log) makes
+    tqdm.write raise "reentrant call"; the handler must still record the stop and say so."""
+
+    def reentrant(*args, **kwargs):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='train.log'>")
+
+    monkeypatch.setattr(runtime.tqdm, "write", reentrant)
+    stop = runtime.StopSignals()
+    stop.handler(15, None)  # SIGTERM
+    assert stop.caught == "SIGTERM"
+    assert "tmt: SIGTERM: finishing this step and writing last.pt" in capfd.readouterr().err

@@ -344,7 +344,11 @@ class StopSignals(SignalScope):
                 return
             raise KeyboardInterrupt
         self.caught, self.first = signal.Signals(signum).name, time.monotonic()
-        tqdm.write(
+        message = (
             f"tmt: {self.caught}: finishing this step and writing last.pt (press Ctrl-C again to "
             "stop at once)"
         )
+        try:
+            tqdm.write(message)
+        except RuntimeError:  # the signal came mid-write to the same buffered stream: unbuffered
+            os.write(sys.stderr.fileno(), (message + "\n").encode())
