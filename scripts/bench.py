@@ -5,13 +5,16 @@ Measured in one run on one machine (these machines are shared and noisy: read th
   - the matmul ceiling (fp32, bf16) on the model's shapes;
   - training target tokens/s of ours (fp32, bf16 autocast, bf16-output, and bf16 with torch's
     dropout instead of ours) and of a plain torch.nn.Transformer loop (fp32, bf16) on the same
-    batches, taking turns every 10 steps; medians of the 10-step windows;
+    batches, taking turns every 10 steps; medians of the 10-step windows. Where bf16 is emulated
+    (no AVX512-BF16 or AMX: 10-20x slower than fp32) only the fp32 rows are timed, the ablation in
+    fp32: an AVX2-only CPU would spend most of an hour on rows no toolkit would train in;
   - fairseq and JoeyNMT through ../shared/peers, once a round (skipped when the kit is absent);
   - tokens/s against batch size, and decoding cost per token against output length (KV cache);
   - beam-4 decoding of test_2016_flickr by every engine and precision (scripts.bench_decode) and by
     fairseq-generate, on models trained for the same budget by `make bench-quality`;
   - with --avx2, the training table's fp32 rows and fairseq again in a child process with AVX2
-    kernels only (benchlib.AVX2_ONLY): an AVX2-only CPU, where bf16 is emulated, approximated.
+    kernels only (benchlib.AVX2_ONLY): an AVX2-only CPU, where bf16 is emulated, approximated
+    (on a CPU without AVX-512 the native rows are already that, and no child runs).
 
 usage: python -m scripts.bench [--rounds 2] [--steps 30] [--no-peers] [--quick] [--avx2]
        [--set KEY=VALUE]
@@ -69,7 +72,7 @@ from scripts.benchlib.training import (
 from transformer_mt.config import Config, apply_override, config_from_dict
 from transformer_mt.data import Batch, DataError, text_file
 from transformer_mt.model import Transformer, label_smoothed_loss
-from transformer_mt.runtime import DTYPES, cpu_bf16_obstacle, matmul_gflops
+from transformer_mt.runtime import DTYPES, cpu_bf16_obstacle, cpu_flags, matmul_gflops
 from transformer_mt.vocab import PAD
 
 log = logger("bench")
@@ -115,6 +118,7 @@ BENCH_CONFIG = {
 TARGET_X_FAIRSEQ = 2.0
 # Window by window ratios the report gives (those of contenders that ran): (contender, baseline)
 RATIOS = (
+    ("ours_fp32", "reference_fp32"),
     ("ours_bf16", "reference_fp32"),
     ("ours_bf16", "reference_bf16"),
     ("ours_bf16", "ours_fp32"),
@@ -206,18 +210,33 @@ def reference_step(vocab: int, cfg: Config, bf16: bool) -> Step:
     return step
 
 
-def contenders(bench: BenchData, cfg: Config, ablation: bool) -> tuple[dict[str, Step], dict]:
+def contenders(
+    bench: BenchData, cfg: Config, ablation: bool, bf16: bool = True
+) -> tuple[dict[str, Step], dict]:
     """Every training step the table compares (same seed, same batches), and our models by
-    precision."""
-    ours = {p: bench.model(cfg, cfg.train.seed) for p in ("fp32", "bf16", "bf16-output")}
+    precision; without `bf16` (emulated on this CPU) the fp32 ones only."""
+    precisions = ("fp32", "bf16", "bf16-output") if bf16 else ("fp32",)
+    ours = {p: bench.model(cfg, cfg.train.seed) for p in precisions}
     steps = {f"ours_{p}": training_step(m, cfg.train, p) for p, m in ours.items()}
     vocab = bench.tokenizer.tgt_vocab_size
     steps["reference_fp32"] = reference_step(vocab, cfg, bf16=False)
-    steps["reference_bf16"] = reference_step(vocab, cfg, bf16=True)
-    if ablation:  # what our dropout gives: ours in bf16 with torch's
+    if bf16:
+        steps["reference_bf16"] = reference_step(vocab, cfg, bf16=True)
+    if ablation:  # what our dropout gives: ours at its fastest precision here with torch's
+        fastest = "bf16" if bf16 else "fp32"
         model = with_torch_dropout(bench.model(cfg, cfg.train.seed))
-        steps["ours_bf16_without_fast_dropout"] = training_step(model, cfg.train, "bf16")
+        steps[f"ours_{fastest}_without_fast_dropout"] = training_step(model, cfg.train, fastest)
     return steps, ours
+
+
+def native_avx2_only() -> str:
+    """Why this process's own kernels already are what --avx2's child would run ("" when they
+    are not): a CPU without AVX-512, or the AVX2-only variables set (benchlib.AVX2_ONLY)."""
+    if "avx512f" not in cpu_flags():
+        return "the CPU has no AVX-512"
+    if all(os.environ.get(k, "").lower() == v.lower() for k, v in AVX2_ONLY.items()):
+        return "the AVX2-only variables are set"
+    return ""
 
 
 # --------------------------------------------------------------------------- measurements
@@ -376,7 +395,7 @@ def write_report(res: dict, path: Path) -> str:
         "windows: " + ", ".join(f"{k} {v:.2f}×" for k, v in res["window_ratios"].items()) + ".",
         f"Peak RSS of the bench process: {res['peak_rss_mb']:,.0f} MiB.",
         *avx2_blocks(res),
-        "### Tokens/s against batch size (ours, bf16)",
+        f"### Tokens/s against batch size (ours, {res.get('batch_scaling_precision', 'bf16')})",
         scaling,
         "### Decoding cost against output length (KV cache, 16 sentences, greedy, forced length)",
         lengths,
@@ -482,6 +501,19 @@ def fastest_sentence(res: dict) -> str:
 def avx2_blocks(res: dict) -> list[str]:
     """The fp32 rows and fairseq measured again with AVX2 kernels only, and whether ours reaches
     the target there; if not, by how much it falls short and what the matmul ceiling allows."""
+    if res.get("avx2_native"):  # the rows above are AVX2's already: the verdict on them
+        fs = res.get("peers", {}).get("fairseq", {}).get("tok_s")
+        return [
+            f"#### {avx2_description()}",
+            f"Not measured again in a child process: {res['avx2_native']}, so this run's own "
+            "kernels are the AVX2 ones and the table above is the AVX2-only measurement.",
+            avx2_verdict(
+                res["training"]["ours_fp32"]["tok_s"],
+                fs,
+                res["flops_per_tgt_token"],
+                res["matmul_gflops"]["fp32"],
+            ),
+        ]
     a = res.get("avx2")
     if not a:
         return []
@@ -712,6 +744,7 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict:
         "cpu": cpu,
         "cpu_flags": reported_flags(),
         "cpu_bf16": cpu_bf16(),
+        "bf16_obstacle": cpu_bf16_obstacle(),
         "machine": f"{cpu}, {platform.machine()} {os.cpu_count()} CPUs",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -729,12 +762,15 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict:
     bench = BenchData.load(cfg)
     need = args.warmup + args.steps
     batches = bench.batches(cfg.train.max_tokens, seed=cfg.train.seed, limit=need)
-    steps, ours = contenders(bench, cfg, ablation=not args.no_ablation)
+    if res["bf16_obstacle"]:
+        log(f"bf16 not timed ({res['bf16_obstacle']}: emulated): the fp32 rows only")
+    steps, ours = contenders(bench, cfg, not args.no_ablation, bf16=not res["bf16_obstacle"])
     res.update(batch_figures(batches, ours["fp32"]))
     peers = [] if args.no_peers or not peers_ready() else ["fairseq", "joey"]
     res.update(training_rounds(steps, batches, args, peers))
-    log("tokens/s against batch size")
-    res["batch_scaling"] = batch_scaling(bench, cfg, steps["ours_bf16"], args.batch_sizes)
+    res["batch_scaling_precision"] = fastest = "fp32" if res["bf16_obstacle"] else "bf16"
+    log(f"tokens/s against batch size ({fastest})")
+    res["batch_scaling"] = batch_scaling(bench, cfg, steps[f"ours_{fastest}"], args.batch_sizes)
     log("decoding cost against length")
     vocab = bench.tokenizer.src_vocab_size
     res["decode_scaling"] = decode_cost_by_length(ours["fp32"], vocab, args.decode_lengths)
@@ -748,7 +784,10 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict:
             "peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)"
         )
     res["peak_rss_mb"] = peak_rss_mb()
-    if args.avx2:
+    if args.avx2 and native_avx2_only():
+        res["avx2_native"] = native_avx2_only()
+        log(f"no AVX2 child: {res['avx2_native']}, so the rows above are the AVX2-only ones")
+    elif args.avx2:
         res["avx2"] = avx2_training(args)
     return res
 

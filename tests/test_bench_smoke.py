@@ -97,7 +97,16 @@ def outputs(tmp_path: Path, name: str) -> list[str]:
     return ["--json", str(tmp_path / name), "--out", str(tmp_path / "BENCHMARKS.md")]
 
 
-def test_speed(tiny, tmp_path):
+# The CPUs test_speed stands in for: the bench reads their flags through these two functions.
+AVX512_BF16 = {"avx2", "fma", "avx512f", "avx512_bf16"}
+AVX2_ONLY_CPU = {"avx2", "fma"}
+
+
+@pytest.mark.parametrize("flags", [AVX512_BF16, AVX2_ONLY_CPU], ids=["avx512-bf16", "avx2-only"])
+def test_speed(tiny, tmp_path, monkeypatch, flags):
+    bf16 = "avx512_bf16" in flags
+    monkeypatch.setattr(bench, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(bench, "cpu_bf16_obstacle", lambda: "" if bf16 else "no avx512_bf16 flag")
     data = [f"data.{s}={tiny.data}/{s}" for s in ("train", "valid", "test")]
     sets = [a for o in [*data, *TINY, f"output_dir={tmp_path / 'run'}"] for a in ("--set", o)]
     small = ["--rounds", "1", "--steps", "10", "--warmup", "1", "--no-peers", "--avx2"]
@@ -113,23 +122,44 @@ def test_speed(tiny, tmp_path):
     ]
     assert bench.main([*small, *sets, *outputs(tmp_path, "bench.json")]) == 0
     res, md = written(tmp_path, "bench.json")
-    contenders = ["ours_fp32", "ours_bf16", "ours_bf16-output", "reference_fp32"]
-    contenders += ["reference_bf16", "ours_bf16_without_fast_dropout"]
+    if bf16:
+        contenders = ["ours_fp32", "ours_bf16", "ours_bf16-output", "reference_fp32"]
+        contenders += ["reference_bf16", "ours_bf16_without_fast_dropout"]
+    else:  # bf16 emulated: no toolkit would train in it, so it is not timed
+        contenders = ["ours_fp32", "reference_fp32", "ours_fp32_without_fast_dropout"]
     assert list(res["training"]) == contenders
     assert all(len(v["windows"]) == 1 and v["tok_s"] > 0 for v in res["training"].values())
+    assert "ours_fp32/reference_fp32" in res["window_ratios"]
     assert [r["max_tokens"] for r in res["batch_scaling"]] == [200, 400]
     assert [r["length"] for r in res["decode_scaling"]] == [2, 4]
     assert res["model"]["d_model"] == 32 and 0 <= res["padding"]["tgt"] < 1
     text = section(md, "speed")
-    for heading in ("## Speed", "### Training throughput", "### Tokens/s against batch size"):
+    scaling = f"### Tokens/s against batch size (ours, {'bf16' if bf16 else 'fp32'})"
+    for heading in ("## Speed", "### Training throughput", scaling):
         assert f"\n{heading}" in f"\n{text}"
     assert all(f"| {name} |" in text for name in contenders)
+    assert "fairseq not measured" in text
+    if not bf16:  # no AVX-512: the native rows are the AVX2 ones, and no child measures them again
+        assert "avx2" not in res and res["avx2_native"] == "the CPU has no AVX-512"
+        assert "Not measured again in a child process: the CPU has no AVX-512" in text
+        return
     # --avx2: the fp32 rows again in a child that torch dispatched below AVX-512
     avx2 = res["avx2"]
     assert list(avx2["training"]) == ["ours_fp32", "reference_fp32"]
     assert not avx2["kernels"].startswith("AVX512") and avx2["bf16_obstacle"]
     assert "#### The same, with AVX2 kernels only" in text
-    assert "fairseq not measured" in text
+
+
+def test_a_process_already_on_avx2_kernels_needs_no_avx2_child(monkeypatch):
+    for k in bench.AVX2_ONLY:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(bench, "cpu_flags", lambda: AVX512_BF16)
+    assert bench.native_avx2_only() == ""
+    for k, v in bench.AVX2_ONLY.items():  # as make bench's own AVX2 rows set them
+        monkeypatch.setenv(k, v.lower())
+    assert bench.native_avx2_only() == "the AVX2-only variables are set"
+    monkeypatch.setattr(bench, "cpu_flags", lambda: AVX2_ONLY_CPU)
+    assert bench.native_avx2_only() == "the CPU has no AVX-512"
 
 
 def test_training_only_without_its_own_json_is_refused_before_bench_json_is_touched(capsys):
