@@ -427,6 +427,7 @@ def training_table(res: dict) -> str:
     peak, peers = res["matmul_gflops"], res.get("peers", {})
     ref = res["training"].get("reference_fp32", {}).get("tok_s")
     fs, jy = (peers.get(p, {}).get("tok_s") for p in ("fairseq", "joey"))
+    bf16 = not res.get("bf16_obstacle")  # emulated bf16 has no ceiling worth an MFU column
     rows = []
     named = [*res["training"].items(), *((f"peer_{k}", v) for k, v in peers.items())]
     for name, v in named:
@@ -434,11 +435,12 @@ def training_table(res: dict) -> str:
         gf = tok * res["flops_per_tgt_token"] / 1e9
         rows.append(
             (name, f"{tok:,.0f}", ratio(tok, ref), ratio(tok, fs), ratio(tok, jy), f"{gf:,.0f}")
-            + (f"{gf / peak['bf16']:.0%}", f"{gf / peak['fp32']:.0%}")
+            + (f"{gf / peak['bf16']:.0%}",) * bf16
+            + (f"{gf / peak['fp32']:.0%}",)
         )
     head = ["contender", "target tok/s", "× plain nn.Transformer fp32", "× fairseq", "× JoeyNMT"]
-    head += ["model GFLOP/s", "MFU vs bf16 ceiling", "vs fp32 ceiling"]
-    return md_table(head, rows, "lrrrrrrr")
+    head += ["model GFLOP/s", *["MFU vs bf16 ceiling"] * bf16, "vs fp32 ceiling"]
+    return md_table(head, rows, "lrrrrr" + "r" * bf16 + "r")
 
 
 def ceiling_paragraph(res: dict) -> str:
@@ -472,6 +474,12 @@ def ceiling_sentence(res: dict) -> str:
         "AVX512-BF16": "AVX512-BF16, no AMX",
         "none": "no bf16 matrix instructions",
     }
+    if res.get("bf16_obstacle"):
+        return (
+            f"On this CPU ({what.get(unit, 'bf16 support not recorded')}) bf16 is emulated "
+            f"({res['bf16_obstacle']}): its ceiling is {peak['bf16'] / peak['fp32']:.2f}× the "
+            "fp32 one, so the table gives MFU against the fp32 ceiling only."
+        )
     return (
         f"On this CPU ({what.get(unit, 'bf16 support not recorded')}) the bf16 ceiling is "
         f"{peak['bf16'] / peak['fp32']:.1f}× the fp32 one, so the table gives MFU against both."

@@ -480,6 +480,8 @@ def recipe_blocks(res: dict, r: dict) -> list[str]:
     head = ["BLEU", "chrF", "TER", "training minutes", "steps", "epochs", "target tok/s"]
     flags = f"; flags {', '.join(r['cpu_flags'])}" if r.get("cpu_flags") else ""
     kernels = f", with {avx2_description()}" if r.get("avx2") else ""
+    if kernels and r.get("cpu_flags") and "avx512f" not in r["cpu_flags"]:
+        kernels += " (no AVX-512 on this CPU: its own kernels, an AVX2-only CPU itself)"
     blocks = [
         f"`tmt train {r.get('config', res.get('recipe_config'))}`"
         + (f" with `--set {' --set '.join(r['changes'].split())}`" if r.get("changes") else "")

@@ -84,6 +84,36 @@ def test_the_report_gives_test_bleu_at_each_mark_and_at_the_end():
     ) in text
 
 
+def test_a_run_with_avx2_kernels_says_whether_the_cpu_is_avx2_only_itself():
+    run = {
+        "beam": 5,
+        "bleu": 38.6,
+        "chrf": 62.6,
+        "ter": 46.9,
+        "train_minutes": 57.9,
+        "steps": 5660,
+        "step": 5660,
+        "epochs": 24,
+        "tgt_tok_per_s": 3135,
+        "sentences_per_second": 80,
+        "evaluated": "best.pt",
+        "bleu_signature": "s",
+        "chrf_signature": "c",
+        "ter_signature": "t",
+        "avx2": True,
+    }
+
+    def where(flags):
+        res = {"recipe_avx2": {**run, "cpu_flags": flags}, "date": "x", "cpu": "X"}
+        return "\n\n".join(bench_quality.report(res))
+
+    own = "no AVX-512 on this CPU: its own kernels, an AVX2-only CPU itself"
+    assert own in where(["avx2", "fma"])  # the AMD EPYC of issue 25
+    approximated = where(["avx2", "fma", "avx512f", "avx512_bf16"])
+    assert "with AVX2 kernels only (ATEN_CPU_CAPABILITY=avx2" in approximated
+    assert own not in approximated
+
+
 def test_the_ceiling_sentence_is_computed_from_the_run_and_names_what_runs_bf16():
     amd = bench.ceiling_sentence(
         {"matmul_gflops": {"fp32": 124.0, "bf16": 360.0}, "cpu_bf16": "AVX512-BF16"}
@@ -94,6 +124,16 @@ def test_the_ceiling_sentence_is_computed_from_the_run_and_names_what_runs_bf16(
     )
     assert "AMX tiles" in intel and "8.1× the fp32 one" in intel  # 2271 / 279 = 8.14
     assert "not recorded" in bench.ceiling_sentence({"matmul_gflops": {"fp32": 1.0, "bf16": 1.0}})
+    # the AVX2-only AMD EPYC: bf16 emulated, ~55x below fp32, so no MFU against it
+    avx2 = bench.ceiling_sentence(
+        {
+            "matmul_gflops": {"fp32": 93.6, "bf16": 1.7},
+            "cpu_bf16": "none",
+            "bf16_obstacle": "no avx512_bf16 flag",
+        }
+    )
+    assert "bf16 is emulated (no avx512_bf16 flag)" in avx2 and "0.02× the fp32 one" in avx2
+    assert "against the fp32 ceiling only" in avx2
 
 
 def test_a_result_without_tokenized_bleu_reports_sacrebleu_alone():

@@ -139,6 +139,7 @@ def test_speed(tiny, tmp_path, monkeypatch, flags):
         assert f"\n{heading}" in f"\n{text}"
     assert all(f"| {name} |" in text for name in contenders)
     assert "fairseq not measured" in text
+    assert ("| MFU vs bf16 ceiling |" in text) == bf16  # no MFU against an emulated ceiling
     if not bf16:  # no AVX-512: the native rows are the AVX2 ones, and no child measures them again
         assert "avx2" not in res and res["avx2_native"] == "the CPU has no AVX-512"
         assert "Not measured again in a child process: the CPU has no AVX-512" in text
