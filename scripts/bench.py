@@ -486,10 +486,15 @@ def ceiling_sentence(res: dict) -> str:
     )
 
 
+def fairseq_tok_s(res: dict) -> float | None:
+    """fairseq's median target tokens/s in a run's results (None where it was not measured)."""
+    return res.get("peers", {}).get("fairseq", {}).get("tok_s")
+
+
 def fastest_sentence(res: dict) -> str:
     """Ours at its fastest precision on this CPU against fairseq (which trains in fp32 on a
     CPU)."""
-    fs = res.get("peers", {}).get("fairseq", {}).get("tok_s")
+    fs = fairseq_tok_s(res)
     ours = {
         k: v["tok_s"]
         for k, v in res["training"].items()
@@ -510,7 +515,7 @@ def avx2_blocks(res: dict) -> list[str]:
     """The fp32 rows and fairseq measured again with AVX2 kernels only, and whether ours reaches
     the target there; if not, by how much it falls short and what the matmul ceiling allows."""
     if res.get("avx2_native"):  # the rows above are AVX2's already: the verdict on them
-        fs = res.get("peers", {}).get("fairseq", {}).get("tok_s")
+        fs = fairseq_tok_s(res)
         return [
             f"#### {avx2_description()}",
             f"Not measured again in a child process: {res['avx2_native']}, so this run's own "
@@ -526,7 +531,7 @@ def avx2_blocks(res: dict) -> list[str]:
     if not a:
         return []
     peak, flops = a["matmul_gflops"]["fp32"], a["flops_per_tgt_token"]
-    fs = a.get("peers", {}).get("fairseq", {}).get("tok_s")
+    fs = fairseq_tok_s(a)
     named = [*a["training"].items(), *((f"peer_{k}", v) for k, v in a.get("peers", {}).items())]
     rows = [
         (name, f"{v['tok_s']:,.0f}", ratio(v["tok_s"], a["training"]["reference_fp32"]["tok_s"]))
@@ -770,13 +775,14 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict:
     bench = BenchData.load(cfg)
     need = args.warmup + args.steps
     batches = bench.batches(cfg.train.max_tokens, seed=cfg.train.seed, limit=need)
-    if res["bf16_obstacle"]:
+    bf16 = not res["bf16_obstacle"]
+    if not bf16:
         log(f"bf16 not timed ({res['bf16_obstacle']}: emulated): the fp32 rows only")
-    steps, ours = contenders(bench, cfg, not args.no_ablation, bf16=not res["bf16_obstacle"])
+    steps, ours = contenders(bench, cfg, not args.no_ablation, bf16=bf16)
     res.update(batch_figures(batches, ours["fp32"]))
     peers = [] if args.no_peers or not peers_ready() else ["fairseq", "joey"]
     res.update(training_rounds(steps, batches, args, peers))
-    res["batch_scaling_precision"] = fastest = "fp32" if res["bf16_obstacle"] else "bf16"
+    res["batch_scaling_precision"] = fastest = "bf16" if bf16 else "fp32"
     log(f"tokens/s against batch size ({fastest})")
     res["batch_scaling"] = batch_scaling(bench, cfg, steps[f"ours_{fastest}"], args.batch_sizes)
     log("decoding cost against length")
@@ -792,9 +798,9 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict:
             "peers not measured: run `bash ../shared/peers/setup.sh` once (see its README)"
         )
     res["peak_rss_mb"] = peak_rss_mb()
-    if args.avx2 and native_avx2_only():
-        res["avx2_native"] = native_avx2_only()
-        log(f"no AVX2 child: {res['avx2_native']}, so the rows above are the AVX2-only ones")
+    if args.avx2 and (why := native_avx2_only()):
+        res["avx2_native"] = why
+        log(f"no AVX2 child: {why}, so the rows above are the AVX2-only ones")
     elif args.avx2:
         res["avx2"] = avx2_training(args)
     return res
