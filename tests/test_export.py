@@ -102,7 +102,7 @@ def test_float32_export_decodes_and_scores_as_ours(
 def demo(tmp_path_factory):
     """The demo recipe (configs/demo.yaml) on its generated corpus at half its width, two layers a
     side and batches of 1,024 tokens, trained for 600 of its 800 updates: a real translation model
-    (93 BLEU on the demo's test split, as int8 too) in ~35 s on two threads of an AVX2-only EPYC,
+    (93 BLEU on the demo's test split, as int8 too) in 39 s on two threads of an AVX2-only EPYC,
     where the recipe's own model took 175 s for 300 updates on one. The same small model trained
     300 updates of 2,048 tokens scored 78, and int8 cost it 2.6 points."""
     root = tmp_path_factory.mktemp("demo_export")
@@ -121,7 +121,7 @@ def demo(tmp_path_factory):
         "train.valid_every=300",
         "train.valid_bleu=false",
         "train.max_minutes=0",
-        # two threads, not the one this module keeps for its decoding tests: 70 s against 93 (2,048)
+        # two threads, not the one this module keeps for its decoding tests: a quarter faster here
         f"train.threads={min(2, os.cpu_count() or 1)}",
         f"output_dir={root}/run",
     ]
