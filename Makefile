@@ -31,8 +31,10 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
+# One pytest-xdist worker per core, each test file's tests on one worker (so that a module's fixture
+# trains once); tests/conftest.py gives each worker its share of the cores as torch threads.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # The served page in headless Chromium (Debian's chromium and chromium-driver, installed when missing).
 test-browser: install

@@ -30,6 +30,19 @@ def _private_corpus_cache(tmp_path_factory):
         os.environ["TMT_CACHE"] = previous
 
 
+# `make test` runs the suite on pytest-xdist workers, one per core (`-n auto`): each computes on its
+# share of the cores, as two workers of two torch threads each on two cores oversubscribe them.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+CORES = max(1, (os.cpu_count() or 1) // WORKERS)
+
+
+def pytest_configure(config):
+    if WORKERS > 1:
+        import torch
+
+        torch.set_num_threads(CORES)
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """Runs with `train.threads: 1` set torch's global thread count; later tests must not inherit

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import sacrebleu
 import torch
+from conftest import CORES
 from helpers import tiny_model
 
 from transformer_mt import demo_corpus, export, search
@@ -121,8 +122,9 @@ def demo(tmp_path_factory):
         "train.valid_every=300",
         "train.valid_bleu=false",
         "train.max_minutes=0",
-        # two threads, not the one this module keeps for its decoding tests: a quarter faster here
-        f"train.threads={min(2, os.cpu_count() or 1)}",
+        # this worker's cores, not the one thread this module keeps for its decoding tests: on two
+        # cores of its own it trained a quarter faster than on one
+        f"train.threads={min(2, CORES)}",
         f"output_dir={root}/run",
     ]
     assert cfg.train.max_steps == 800
