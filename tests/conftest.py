@@ -33,7 +33,8 @@ def _private_corpus_cache(tmp_path_factory):
 # `make test` runs the suite on pytest-xdist workers, one per core (`-n auto`): each computes on its
 # share of the cores, as two workers of two torch threads each on two cores oversubscribe them.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-CORES = max(1, (os.cpu_count() or 1) // WORKERS)
+_ALL = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+CORES = max(1, _ALL // WORKERS)  # counted as xdist counts them for -n auto
 
 
 def pytest_configure(config):
