@@ -103,8 +103,9 @@ def test_float32_export_decodes_and_scores_as_ours(
 def demo(tmp_path_factory):
     """The demo recipe (configs/demo.yaml) on its generated corpus at half its width, two layers a
     side and batches of 1,024 tokens, trained for 600 of its 800 updates: a real translation model
-    (93 BLEU on the demo's test split, as int8 too) in 39 s on two threads of an AVX2-only EPYC,
-    where the recipe's own model took 175 s for 300 updates on one. The same small model trained
+    (93 BLEU on the demo's test split, as int8 too) in 39 s on two threads of an AVX2-only EPYC
+    (48-53 s on one, beside `make test`'s other worker), where the recipe's own model took 175 s
+    for 300 updates on one. The same small model trained
     300 updates of 2,048 tokens scored 78, and int8 cost it 2.6 points."""
     root = tmp_path_factory.mktemp("demo_export")
     demo_corpus.write_corpus(root / "data")
