@@ -105,8 +105,8 @@ def demo(tmp_path_factory):
     side and batches of 1,024 tokens, trained for 600 of its 800 updates: a real translation model
     (93 BLEU on the demo's test split, as int8 too) in 39 s on two threads of an AVX2-only EPYC
     (48-53 s on one, beside `make test`'s other worker), where the recipe's own model took 175 s
-    for 300 updates on one. The same small model trained
-    300 updates of 2,048 tokens scored 78, and int8 cost it 2.6 points."""
+    for 300 updates on one. The same small model trained 300 updates of 2,048 tokens scored 78,
+    and int8 cost it 2.6 points."""
     root = tmp_path_factory.mktemp("demo_export")
     demo_corpus.write_corpus(root / "data")
     cfg = load_config(ROOT / "configs" / "demo.yaml")
