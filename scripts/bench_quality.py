@@ -402,10 +402,19 @@ def record_experiment(res: dict, key: str, config: str, run_dir: Path, history: 
     write_history(res, history)
 
 
+SCORE_KEYS = ("bleu", "tokenized_bleu", "chrf")
+
+
+def score_cell(key: str, value: object) -> object:
+    """A score as the metrics print it, two decimals (the JSON's 39.8 is sacreBLEU's 39.80), so
+    the table's column reads alike; other cells as they are."""
+    return f"{value:.2f}" if key in SCORE_KEYS and isinstance(value, float) else value
+
+
 def write_history(res: dict, history: Path) -> None:
     """res["history"] as the table of docs/multi30k.md's `experiments` section."""
     head = ["date", "cpu", "changes", *(f"{a}.{b}" for a, b in RECIPE_KEYS), *RESULT_KEYS]
-    rows = [[e.get(h, "") for h in head] for e in res["history"]]
+    rows = [[score_cell(h, e.get(h, "")) for h in head] for e in res["history"]]
     write_section(history, "experiments", md_table([h.split(".")[-1] for h in head], rows))
 
 

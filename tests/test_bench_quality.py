@@ -236,3 +236,17 @@ def test_a_recipe_row_names_the_settings_its_config_has_changed_since(tmp_path):
         "`data.subword_sampling` off (now 16-best, α 0.5), `model.norm` pre (now post)."
     ]
     assert sentence(date="2026-11-27 12:00") == []  # no history entry: nothing to compare
+
+
+def test_the_history_table_prints_every_score_with_two_decimals(tmp_path):
+    # sacreBLEU prints 39.80 where the JSON keeps the float 39.8; a column mixing 39.8 and 40.17
+    # reads as if the two were measured to different precisions
+    history = tmp_path / "history.md"
+    history.write_text("<!-- experiments:start -->\n<!-- experiments:end -->\n")
+    entry = {"date": "2026-12-02 00:46", "bleu": 39.8, "tokenized_bleu": 40.3, "chrf": 64.03}
+    bench_quality.write_history(
+        {"history": [{**entry, "steps": 5781, "train_minutes": 58.4}]}, history
+    )
+    row = history.read_text().splitlines()[-2]
+    assert "| 39.80 | 40.30 | 64.03 |" in row
+    assert "| 5781 | 58.4 |" in row  # counts and minutes are not scores: as they are
