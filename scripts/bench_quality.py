@@ -353,8 +353,8 @@ RECIPE_KEYS = [
     ("train", "average_last"),
     ("decode", "alpha"),
 ]
-RESULT_KEYS = ["trained_precision", "steps", "train_minutes", "evaluated", "beam", "bleu"]
-RESULT_KEYS += ["tokenized_bleu", "chrf"]
+SCORE_KEYS = ["bleu", "tokenized_bleu", "chrf"]
+RESULT_KEYS = ["trained_precision", "steps", "train_minutes", "evaluated", "beam", *SCORE_KEYS]
 
 
 def setting(value: object) -> object:
@@ -400,9 +400,6 @@ def record_experiment(res: dict, key: str, config: str, run_dir: Path, history: 
     }
     res["history"] = [h for h in res.get("history", []) if h["date"] != entry["date"]] + [entry]
     write_history(res, history)
-
-
-SCORE_KEYS = ("bleu", "tokenized_bleu", "chrf")
 
 
 def score_cell(key: str, value: object) -> object:
