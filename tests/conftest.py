@@ -243,6 +243,7 @@ def copy_config(tmp_path) -> Callable[..., Any]:
                     "keep_last": 0,
                     "seed": 3,
                     "precision": "fp32",
+                    "attention": "fused",  # not timed: runs a test compares match bit for bit
                     **train,
                 },
                 "output_dir": str(tmp_path / "run"),

@@ -314,6 +314,100 @@ def test_auto_is_measured_on_a_cpu_and_a_resumed_run_keeps_its_precision():
     assert probes == [1]
 
 
+@pytest.mark.parametrize(
+    "costs, chosen",
+    [
+        ({"fused": 0.0087, "math": 0.0052}, "math"),  # the AVX2-only EPYC's timings
+        ({"fused": 0.0100, "math": 0.0095}, "fused"),  # math not 10% faster: torch's own choice
+        ({"fused": 0.0050, "math": 0.0090}, "fused"),
+    ],
+)
+def test_attention_auto_trains_with_math_only_where_clearly_faster(caplog, costs, chosen):
+    steps = FakeSteps(costs)
+    with caplog.at_level("INFO", logger="transformer_mt"):
+        assert runtime.choose_cpu_attention(steps, repeats=3, clock=steps.clock) == chosen
+    # one warm-up and three timed each, taken in turns
+    assert steps.calls == 4 * ["fused", "math"]
+    assert f"{1000 * costs['math']:.2f} ms math" in caplog.text
+    assert f"training with {chosen}" in caplog.text
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_probe_times_the_kernel_it_is_given(monkeypatch, precision):
+    """cpu_attention_probe's step runs attention forward and backward with the named kernel (the
+    backward recorded for the output is the flash kernel's or the composite's), in the run's
+    precision, without touching the model or the run's random stream."""
+    from transformer_mt.config import ModelConfig, TrainConfig
+    from transformer_mt.model import Transformer
+
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorded(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        seen.append((out.grad_fn.name(), out.dtype))
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    model = Transformer(
+        ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True
+    )
+    step = prepare.cpu_attention_probe(model, TrainConfig(max_tokens=200), CPU, precision)
+    torch.manual_seed(7)
+    expected_next = torch.rand(3)
+    torch.manual_seed(7)
+    for kernel in ("fused", "math"):
+        seen.clear()
+        step(kernel)
+        assert len(seen) == 2  # the padding-masked self-attention and the causal one
+        assert all(("FlashAttention" in name) == (kernel == "fused") for name, _ in seen)
+        assert {dtype for _, dtype in seen} == {runtime.compute_dtype(precision)}
+    torch.testing.assert_close(torch.rand(3), expected_next)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_math_kernel_computes_what_the_fused_one_does():
+    """Both kernels compute softmax(QK^T / sqrt(d_k) + mask) V and its gradients (Eq. 1): equal to
+    fp32 rounding, with a padding mask and with the causal one."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 2, 7, 8).unbind(0)  # (B, H, T, d_k) each
+    grad = torch.randn(4, 2, 7, 8)
+    pad = (torch.arange(7) < torch.tensor([7, 5, 3, 1])[:, None])[:, None, None, :]  # (B, 1, 1, T)
+    for masks in ({"attn_mask": pad}, {"is_causal": True}):
+        results = []
+        for kernel in runtime.ATTENTION_KERNELS:
+            q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
+            with runtime.attention_kernel(kernel):
+                out = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, **masks)
+            out.backward(grad)
+            results.append((out, q_.grad, k_.grad, v_.grad))
+        for fused, math_ in zip(*results):
+            torch.testing.assert_close(math_, fused)
+
+
+def test_attention_is_timed_only_for_auto_on_a_cpu_and_a_resumed_run_keeps_its_kernel(
+    monkeypatch,
+):
+    from transformer_mt.config import ModelConfig, TrainConfig
+    from transformer_mt.model import Transformer
+
+    model = Transformer(
+        ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True
+    )
+    probes = []
+    monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step: probes.append(1) or "math")
+
+    def kernel(attention: str, device: torch.device = CPU, resumed: str = "") -> str:
+        return prepare.set_up_attention(
+            model, TrainConfig(attention=attention), device, "fp32", resumed
+        )
+
+    assert kernel("auto") == "math" and probes == [1]
+    assert kernel("auto", resumed="fused") == "fused"  # as the run began
+    assert kernel("fused") == "fused" and kernel("math", resumed="fused") == "math"  # as asked
+    assert kernel("auto", torch.device("cuda")) == "fused"  # a GPU: torch's fused kernels
+    assert probes == [1]
+
+
 @pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc are Linux's"
 )

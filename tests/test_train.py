@@ -627,6 +627,38 @@ def test_a_resumed_auto_run_keeps_the_precision_it_began_in(copy_config, tmp_pat
     )
 
 
+def test_training_attends_with_the_chosen_kernel_and_a_resume_keeps_it(
+    copy_config, tmp_path, monkeypatch
+):
+    """train.attention auto: the training step runs the probe's choice (the backward recorded for
+    attention's output is the composite's, not the flash kernel's), the checkpoint records it, and
+    a resume whose probe would now choose otherwise trains on with it."""
+    import transformer_mt.prepare as prepare
+
+    sdpa, kernels = F.scaled_dot_product_attention, set()
+
+    def recorded(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        if out.grad_fn is not None:  # training, not validation's decoding
+            kernels.add("fused" if "FlashAttention" in out.grad_fn.name() else "math")
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step: "math")
+    cfg = copy_config(max_steps=2, valid_every=2, attention="auto")
+    Trainer(cfg).train()
+    assert kernels == {"math"}
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert torch.load(last, weights_only=True)["train_state"]["attention"] == "math"
+    monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step: "fused")
+    kernels.clear()
+    resumed = Trainer(
+        config_from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "max_steps": 3}}),
+        resume=True,
+    )
+    assert resumed.train()["steps"] == 3 and kernels == {"math"}
+
+
 def test_a_nan_loss_closes_the_event_log_before_it_stops(copy_config, monkeypatch):
     """Issue 22, item 10: TrainingDiverged left the TensorBoard writer open (events not flushed)."""
     import torch.utils.tensorboard

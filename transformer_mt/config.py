@@ -218,6 +218,9 @@ class TrainConfig:
     # bf16-output: fp32 with the output projection alone in bf16; auto on a CPU measures fp32, bf16
     # and it
     precision: Literal["auto", "fp32", "bf16", "fp16", "bf16-output"] = "auto"
+    # scaled_dot_product_attention's kernel: torch's fused one, or math (plain tensor ops: faster
+    # for short sentences on some CPUs); auto on a CPU times both at start-up, on a GPU takes fused
+    attention: Literal["auto", "fused", "math"] = "auto"
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (an ensemble: its share)
     # Train an ensemble of this many models at once (members.py): each its own process and seed
     # (train.seed + i), on its share of the CPU's cores (or on the one GPU), sharing the run's

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from .checkpoint import Parent
@@ -30,7 +31,9 @@ from .fileio import atomic_write
 from .model import Transformer, label_smoothed_loss
 from .runtime import (
     BF16_OUTPUT,
+    attention_kernel,
     autocast,
+    choose_cpu_attention,
     choose_cpu_precision,
     keep_freed_memory,
     pick_device,
@@ -184,6 +187,13 @@ def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device]:
     return d, device
 
 
+def probe_batch_shape(tc: TrainConfig) -> tuple[int, int]:
+    """(sentences, tokens each) of the start-up probes' synthetic batch: train.max_tokens (twice
+    that with R-Drop's two passes; at most 4,096) in sentences of 24 tokens, Multi30k's length."""
+    T = 24
+    return max(1, min(tc.max_tokens * tc.passes, 4096) // T), T
+
+
 def cpu_probe_step(
     model: Transformer, tc: TrainConfig, device: torch.device
 ) -> Callable[[str], None]:
@@ -191,13 +201,13 @@ def cpu_probe_step(
     (twice that with R-Drop's two passes; at most 4,096), for runtime.choose_cpu_precision: how much
     the output layer weighs depends on the batch size. It changes no weight, and leaves no gradient
     and the output layer in fp32."""
-    T = 24
-    n = max(1, min(tc.max_tokens * tc.passes, 4096) // T) * T
+    B, T = probe_batch_shape(tc)
+    n = B * T
     # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than the
     # source's), above the special ids. (B, T)
-    src = (torch.arange(n) % (model.src_embed.lut.num_embeddings - 4) + 4).view(-1, T).to(device)
+    src = (torch.arange(n) % (model.src_embed.lut.num_embeddings - 4) + 4).view(B, T).to(device)
     # (B, T)
-    tgt = (torch.arange(n) % (model.generator.out_features - 4) + 4).view(-1, T).to(device)
+    tgt = (torch.arange(n) % (model.generator.out_features - 4) + 4).view(B, T).to(device)
     chunked = chunked_loss(tc, device)
 
     def step(precision: str) -> None:
@@ -231,6 +241,49 @@ def set_up_precision(
     )
     model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
     return precision
+
+
+def cpu_attention_probe(
+    model: Transformer, tc: TrainConfig, device: torch.device, precision: str
+) -> Callable[[str], None]:
+    """Attention's forward and backward with a given kernel at the run's shapes, for
+    runtime.choose_cpu_attention: an encoder's padding-masked self-attention and a decoder's causal
+    one on the probe's batch (probe_batch_shape), in the run's precision. No weight is involved."""
+    B, T = probe_batch_shape(tc)
+    heads = model.cfg.heads
+    # q, k, v and the output's gradient, (B, H, T, d_k) each: a dense gradient, as in training (the
+    # ones of a sum() would be one value broadcast, which the math kernel's backward handles slowly)
+    # drawn from a generator of its own, so that the probe leaves the run's random stream as it was
+    g = torch.Generator(device).manual_seed(0)
+    shape = (4, B, heads, T, model.cfg.d_model // heads)
+    q, k, v, grad = torch.randn(shape, generator=g, device=device).unbind(0)
+    lengths = torch.arange(B, device=device) % T + 1  # (B,): every length from 1 to T
+    pad = (torch.arange(T, device=device) < lengths[:, None])[:, None, None, :]  # (B, 1, 1, T)
+
+    def step(kernel: str) -> None:
+        q_, k_, v_ = (x.detach().requires_grad_() for x in (q, k, v))
+        with autocast(precision, device), attention_kernel(kernel):
+            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=pad)
+            out = out + F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+        out.backward(grad.to(out.dtype))
+
+    return step
+
+
+def set_up_attention(
+    model: Transformer, tc: TrainConfig, device: torch.device, precision: str, resumed: str = ""
+) -> str:
+    """The attention kernel to train with: train.attention, or for auto on a CPU the faster one
+    measured here (runtime.choose_cpu_attention); auto on a GPU leaves torch's fused kernels. A
+    resumed auto run keeps the kernel it began with (`resumed`), as it keeps its precision."""
+    if tc.attention != "auto":
+        return tc.attention
+    if resumed:
+        log.info("attention auto: %s, as the run being resumed trained with", resumed)
+        return resumed
+    if device.type != "cpu":
+        return "fused"
+    return choose_cpu_attention(cpu_attention_probe(model, tc, device, precision))
 
 
 def describe_run(

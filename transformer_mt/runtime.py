@@ -1,4 +1,5 @@
-"""Where and in what precision the model runs: device choice, precision -> dtype, autocast.
+"""Where and in what precision the model runs: device choice, precision -> dtype, autocast, and
+the attention kernel a CPU trains fastest with.
 
 One place for training and inference, so that both resolve `auto` the same way.
 """
@@ -19,6 +20,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 log = logging.getLogger("transformer_mt")
@@ -164,7 +166,6 @@ def fastest_cpu_precision(
     if len(timed) == 1:
         return timed[0], {}, skipped
     warm: dict[str, float] = {}
-    seconds: dict[str, float] = {}
     # the probe's dropout must not shift the run's random stream
     with torch.random.fork_rng(devices=[]):
         for precision in list(timed):
@@ -177,12 +178,25 @@ def fastest_cpu_precision(
                     f"{candidates[0]}'s {1000 * warm[candidates[0]]:.0f} ms"
                 )
                 timed.remove(precision)
-        for _ in range(repeats):
-            for precision in timed:
-                start = clock()
-                step(precision)
-                seconds[precision] = min(seconds.get(precision, math.inf), clock() - start)
+        seconds = best_seconds(step, timed, repeats, clock)
     return min(seconds, key=seconds.get), seconds, skipped
+
+
+def best_seconds(
+    step: Callable[[str], None],
+    candidates: list[str] | tuple[str, ...],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """The fastest of `repeats` timings of `step(candidate)` for each candidate, taken in turns so
+    that a slow spell of a shared machine hits all of them alike."""
+    seconds: dict[str, float] = {}
+    for _ in range(repeats):
+        for candidate in candidates:
+            start = clock()
+            step(candidate)
+            seconds[candidate] = min(seconds.get(candidate, math.inf), clock() - start)
+    return seconds
 
 
 # From the most exact to the least: ranks that measured differently train in the most exact of their
@@ -225,6 +239,37 @@ def training_precision(
     if requested == "auto" and device.type == "cpu":
         return choose_on_cpu()
     return resolve_precision(requested, device)
+
+
+# scaled_dot_product_attention's kernels a run can train with: torch's own choice ("fused": its
+# flash kernel on a CPU) or "math", softmax(QK^T / sqrt(d_k)) V in plain tensor ops.
+ATTENTION_KERNELS = ("fused", "math")
+
+
+def attention_kernel(kernel: str) -> contextlib.AbstractContextManager:
+    """The context in which F.scaled_dot_product_attention runs `kernel` (one of
+    ATTENTION_KERNELS); its backward follows the forward's choice."""
+    return sdpa_kernel(SDPBackend.MATH) if kernel == "math" else contextlib.nullcontext()
+
+
+def choose_cpu_attention(
+    step: Callable[[str], None], repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> str:
+    """train.attention auto on a CPU: time `step(kernel)`, attention's forward and backward at the
+    run's shapes, with each kernel, and train with math only where it is at least 10% faster. At
+    Multi30k's ~25 tokens a sentence, math took ~5.2 ms to flash's ~8.7 on an AVX2-only EPYC (the
+    whole step 1.12x faster), while an earlier A/B on an AVX-512 one found flash the faster
+    (docs/multi30k.md)."""
+    for kernel in ATTENTION_KERNELS:
+        step(kernel)  # warm-up
+    seconds = best_seconds(step, ATTENTION_KERNELS, repeats, clock)
+    choice = "math" if seconds["math"] < 0.9 * seconds["fused"] else "fused"
+    log.info(
+        "attention auto: forward and backward took %s on this CPU; training with %s",
+        ", ".join(f"{1000 * s:.2f} ms {kernel}" for kernel, s in seconds.items()),
+        choice,
+    )
+    return choice
 
 
 def keep_freed_memory() -> bool:

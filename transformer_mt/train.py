@@ -49,11 +49,19 @@ from .prepare import (
     open_event_log,
     prepare_run,
     progress_bar,
+    set_up_attention,
     set_up_precision,
     training_forward,
     training_loss,
 )
-from .runtime import Meter, StopSignals, autocast, compute_dtype, matmul_gflops
+from .runtime import (
+    Meter,
+    StopSignals,
+    attention_kernel,
+    autocast,
+    compute_dtype,
+    matmul_gflops,
+)
 
 log = logging.getLogger("transformer_mt")
 
@@ -85,6 +93,7 @@ class TrainState:
     bad_validations: int = 0  # validations since the best one
     seconds: float = 0.0  # training wall-clock of earlier (resumed-from) runs
     precision: str = ""  # what the run trains in (precision auto's measured choice)
+    attention: str = ""  # the attention kernel it trains with (train.attention auto's choice)
     # the lr decays linearly from update cooldown_start to ~0 at cooldown_end
     cooldown_start: int = 0
     cooldown_end: int = 0  # (both 0: no cooldown); see optim.cooldown_by_steps, _plan_cooldown
@@ -163,6 +172,13 @@ class Trainer:
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # raw text, for BLEU
         self.model = build_model(cfg, self.tokenizer, parent).to(self.device)
         self.precision = set_up_precision(self.model, tc, self.dist, self.device, resumed)
+        self.attention = set_up_attention(
+            self.model,
+            tc,
+            self.device,
+            self.precision,
+            resumed["train_state"].get("attention", "") if resumed else "",
+        )
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.chunked_loss = chunked_loss(tc, self.device)
         self.state, self.writer = TrainState(), NullWriter()  # the event log opens in _start
@@ -313,6 +329,7 @@ class Trainer:
         """Open the event log (rank 0), say what is trained; the progress bar and the matmul
         GFLOP/s."""
         tc, main, self.state.precision = self.cfg.train, self.dist.main, self.precision
+        self.state.attention = self.attention
         if not self.state.cooldown_end:  # by steps; the time budget may move it earlier
             self.state.cooldown_start, self.state.cooldown_end = cooldown_by_steps(tc)
         if not (self.state.warmup or tc.warmup_share and tc.max_minutes):
@@ -418,7 +435,7 @@ class Trainer:
         src = word_dropout(batch.src.repeat(passes, 1), tc.word_dropout)  # (passes·B, S)
         tgt_in = word_dropout(batch.tgt_in.repeat(passes, 1), tgt_rate)  # (passes·B, T)
         tgt_out = batch.tgt_out.repeat(passes, 1)  # (passes·B, T)
-        with autocast(self.precision, self.device):
+        with autocast(self.precision, self.device), attention_kernel(self.attention):
             if passes == 1:  # in chunks where prepare.chunked_loss says so, as the probe timed it
                 loss = training_loss(
                     self.forward, src, tgt_in, tgt_out, tc.label_smoothing, self.chunked_loss
