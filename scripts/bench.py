@@ -72,6 +72,7 @@ from scripts.benchlib.training import (
 from transformer_mt.config import Config, apply_override, config_from_dict
 from transformer_mt.data import Batch, DataError, text_file
 from transformer_mt.model import Transformer, label_smoothed_loss
+from transformer_mt.prepare import set_up_attention
 from transformer_mt.runtime import DTYPES, cpu_bf16_obstacle, cpu_flags, matmul_gflops
 from transformer_mt.vocab import PAD
 
@@ -116,6 +117,8 @@ BENCH_CONFIG = {
 # Ours against fairseq in training throughput, each at the precision it trains fastest in on the CPU
 # at hand (issue 25's target): the report says whether it is met, and by how much it falls short.
 TARGET_X_FAIRSEQ = 2.0
+# where the bench's training steps run
+CPU = torch.device("cpu")
 # Window by window ratios the report gives (those of contenders that ran): (contender, baseline)
 RATIOS = (
     ("ours_fp32", "reference_fp32"),
@@ -212,12 +215,14 @@ def reference_step(vocab: int, cfg: Config, bf16: bool) -> Step:
 
 def contenders(
     bench: BenchData, cfg: Config, ablation: bool, bf16: bool = True
-) -> tuple[dict[str, Step], dict]:
-    """Every training step the table compares (same seed, same batches), and our models by
-    precision; without `bf16` (emulated on this CPU) the fp32 ones only."""
+) -> tuple[dict[str, Step], dict, dict[str, str]]:
+    """Every training step the table compares (same seed, same batches), our models by precision,
+    and the attention kernel each of ours runs (train.attention resolved as the loop does it);
+    without `bf16` (emulated on this CPU) the fp32 ones only."""
     precisions = ("fp32", "bf16", "bf16-output") if bf16 else ("fp32",)
     ours = {p: bench.model(cfg, cfg.train.seed) for p in precisions}
-    steps = {f"ours_{p}": training_step(m, cfg.train, p) for p, m in ours.items()}
+    kernels = {p: set_up_attention(m, cfg.train, CPU, p) for p, m in ours.items()}
+    steps = {f"ours_{p}": training_step(m, cfg.train, p, kernels[p]) for p, m in ours.items()}
     vocab = bench.tokenizer.tgt_vocab_size
     steps["reference_fp32"] = reference_step(vocab, cfg, bf16=False)
     if bf16:
@@ -225,8 +230,10 @@ def contenders(
     if ablation:  # what our dropout gives: ours at its fastest precision here with torch's
         fastest = "bf16" if bf16 else "fp32"
         model = with_torch_dropout(bench.model(cfg, cfg.train.seed))
-        steps[f"ours_{fastest}_without_fast_dropout"] = training_step(model, cfg.train, fastest)
-    return steps, ours
+        steps[f"ours_{fastest}_without_fast_dropout"] = training_step(
+            model, cfg.train, fastest, kernels[fastest]
+        )
+    return steps, ours, kernels
 
 
 def native_avx2_only() -> str:
@@ -418,8 +425,18 @@ def training_setup(res: dict) -> str:
         f"{res['padding']['tgt']:.1%} of target positions. {res['steps']} timed steps after "
         f"{res['warmup']} warm-up in each of {res['rounds']} rounds; ours and the reference take "
         "turns every 10 steps on the same batches, and the figure is the median 10-step window. "
-        "The peers run once a round, after ours."
+        f"The peers run once a round, after ours.{attention_sentence(res)}"
     )
+
+
+def attention_sentence(res: dict) -> str:
+    """Which attention kernel ours trained with in each precision (train.attention auto, timed at
+    start-up as `tmt train` does); "" for a run from before the bench recorded it."""
+    kernels = res.get("attention")
+    if not kernels:
+        return ""
+    each = ", ".join(f"{kernel} in {precision}" for precision, kernel in kernels.items())
+    return f" Ours attends with the kernel `train.attention: auto` picks here: {each}."
 
 
 MFU_HEADS = {"bf16": "MFU vs bf16 ceiling", "fp32": "vs fp32 ceiling"}
@@ -555,7 +572,8 @@ def avx2_blocks(res: dict) -> list[str]:
         f"Measured in a child process of the same run ({a['date']}): torch dispatched "
         f"{a['kernels']} kernels; bf16 is not timed here ({a['bf16_obstacle'] or 'none'}: "
         f"emulated, so every toolkit trains in fp32). fp32 matmul ceiling under these kernels: "
-        f"{peak:,.0f} GFLOP/s ({peak / res['matmul_gflops']['fp32']:.0%} of the native one).",
+        f"{peak:,.0f} GFLOP/s ({peak / res['matmul_gflops']['fp32']:.0%} of the native one)."
+        + attention_sentence(a),
         md_table([*head, "vs fp32 ceiling"], rows, "lrrrr"),
         avx2_verdict(a["training"]["ours_fp32"]["tok_s"], fs, flops, peak),
     ]
@@ -789,7 +807,7 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict:
     bf16 = not res["bf16_obstacle"]
     if not bf16:
         log(f"bf16 not timed ({res['bf16_obstacle']}: emulated): the fp32 rows only")
-    steps, ours = contenders(bench, cfg, not args.no_ablation, bf16=bf16)
+    steps, ours, res["attention"] = contenders(bench, cfg, not args.no_ablation, bf16=bf16)
     res.update(batch_figures(batches, ours["fp32"]))
     peers = [] if args.no_peers or not peers_ready() else ["fairseq", "joey"]
     res.update(training_rounds(steps, batches, args, peers))
@@ -833,8 +851,9 @@ def fp32_training(args: argparse.Namespace, cfg: Config) -> dict:
         cfg.train.max_tokens, seed=cfg.train.seed, limit=args.warmup + args.steps
     )
     model = bench.model(cfg, cfg.train.seed)
+    res["attention"] = {"fp32": set_up_attention(model, cfg.train, CPU, "fp32")}
     steps = {
-        "ours_fp32": training_step(model, cfg.train, "fp32"),
+        "ours_fp32": training_step(model, cfg.train, "fp32", res["attention"]["fp32"]),
         "reference_fp32": reference_step(bench.tokenizer.tgt_vocab_size, cfg, bf16=False),
     }
     res.update(batch_figures(batches, model))

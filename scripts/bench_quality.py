@@ -184,6 +184,7 @@ def train_and_evaluate(
             f"{p.parent.parent.name}/{p.name}" if len(evaluated) > 1 else p.name for p in evaluated
         ),
         trained_precision=states[0].get("precision") or "?",
+        trained_attention=states[0].get("attention") or "?",
         valid_bleu_by_minute=valid_bleu_by_minute(run_dir),
         test_bleu_by_minute=test_bleu_by_minute(run_dir, test),
     )
@@ -354,7 +355,15 @@ RECIPE_KEYS = [
     ("decode", "alpha"),
 ]
 SCORE_KEYS = ["bleu", "tokenized_bleu", "chrf"]
-RESULT_KEYS = ["trained_precision", "steps", "train_minutes", "evaluated", "beam", *SCORE_KEYS]
+RESULT_KEYS = [
+    "trained_precision",
+    "trained_attention",
+    "steps",
+    "train_minutes",
+    "evaluated",
+    "beam",
+    *SCORE_KEYS,
+]
 
 
 def setting(value: object) -> object:
@@ -441,6 +450,13 @@ def both_bleus(r: dict) -> str:
     return f"{r['bleu']:.2f}" + (f" / {r['tokenized_bleu']:.2f}" if "tokenized_bleu" in r else "")
 
 
+def attention_text(r: dict) -> str:
+    """ " with the math attention kernel" (train.attention auto's choice), or "" for a run from
+    before the checkpoint recorded it."""
+    kernel = r.get("trained_attention", "?")
+    return "" if kernel == "?" else f" with the {kernel} attention kernel"
+
+
 def steps_text(step: int | list[int]) -> str:
     """ "step 1,234", or an ensemble's "steps 1,234 and 1,230" (one a member)."""
     if isinstance(step, list):
@@ -494,8 +510,8 @@ def recipe_blocks(res: dict, r: dict) -> list[str]:
         + " from a clean run directory on "
         f"{r.get('date', res['date'])} on **{r.get('cpu', res.get('cpu', 'an unrecorded CPU'))}** "
         f"({r.get('cores', res.get('cores', 2))} cores{flags}){kernels}, trained in "
-        f"{r.get('trained_precision', '?')}, then `tmt evaluate` with beam {r['beam']} on the "
-        f"checkpoint the recipe selected ({r['evaluated']}).",
+        f"{r.get('trained_precision', '?')}{attention_text(r)}, then `tmt evaluate` with beam "
+        f"{r['beam']} on the checkpoint the recipe selected ({r['evaluated']}).",
         md_table([*head, "decode sent/s"], [row], "rrrrrrrr"),
         f"BLEU signature: `{r['bleu_signature']}`; chrF: `{r['chrf_signature']}`; TER: "
         f"`{r['ter_signature']}`.",

@@ -30,6 +30,7 @@ from scripts import (
 )
 from transformer_mt.config import load_config
 from transformer_mt.demo_corpus import write_corpus
+from transformer_mt.runtime import ATTENTION_KERNELS
 from transformer_mt.train import train
 
 pytestmark = pytest.mark.slow
@@ -140,6 +141,11 @@ def test_speed(tiny, tmp_path, monkeypatch, flags):
     assert all(f"| {name} |" in text for name in contenders)
     assert "fairseq not measured" in text
     assert ("| MFU vs bf16 ceiling |" in text) == bf16  # no MFU against an emulated ceiling
+    # the attention kernel each of ours trained with, resolved as `tmt train` resolves auto
+    precisions = ["fp32", "bf16", "bf16-output"] if bf16 else ["fp32"]
+    assert list(res["attention"]) == precisions
+    assert set(res["attention"].values()) <= set(ATTENTION_KERNELS)
+    assert f"picks here: {res['attention']['fp32']} in fp32" in text
     if not bf16:  # no AVX-512: the native rows are the AVX2 ones, and no child measures them again
         assert "avx2" not in res and res["avx2_native"] == "the CPU has no AVX-512"
         assert "Not measured again in a child process: the CPU has no AVX-512" in text
@@ -147,6 +153,7 @@ def test_speed(tiny, tmp_path, monkeypatch, flags):
     # --avx2: the fp32 rows again in a child that torch dispatched below AVX-512
     avx2 = res["avx2"]
     assert list(avx2["training"]) == ["ours_fp32", "reference_fp32"]
+    assert list(avx2["attention"]) == ["fp32"]
     assert not avx2["kernels"].startswith("AVX512") and avx2["bf16_obstacle"]
     assert "#### The same, with AVX2 kernels only" in text
 
@@ -206,6 +213,9 @@ def test_quality(tiny, tmp_path, monkeypatch):
     assert bench_quality.main([*argv, *sets, *outputs(tmp_path, "quality.json")]) == 0
     res, md = written(tmp_path, "quality.json")
     assert res["recipe"]["trained_precision"] == "bf16" and res["recipe"]["steps"] == 2
+    # the kernel train.attention auto chose, as the run's checkpoint recorded it
+    kernel = res["recipe"]["trained_attention"]
+    assert kernel in ATTENTION_KERNELS and f"bf16 with the {kernel} attention kernel" in md
     assert {"bleu", "chrf", "ter", "bleu_signature"} <= set(res["recipe"])
     assert [(r["toolkit"], r["selection"]) for r in res["budget"]["rows"]] == [
         ("transformer-mt", "last"),

@@ -24,7 +24,7 @@ from transformer_mt.data import (
 from transformer_mt.model import Dropout, Transformer
 from transformer_mt.optim import build_optimizer
 from transformer_mt.prepare import chunked_loss, training_loss
-from transformer_mt.runtime import BF16_OUTPUT, autocast
+from transformer_mt.runtime import BF16_OUTPUT, attention_kernel, autocast
 from transformer_mt.tokenizer import Tokenizer
 
 Step = Callable[[Batch], torch.Tensor]
@@ -68,10 +68,14 @@ def _run_dir(cfg: Config) -> Path:
     return run
 
 
-def training_step(model: Transformer, tc: TrainConfig, precision: str) -> Step:
+def training_step(
+    model: Transformer, tc: TrainConfig, precision: str, attention: str = "fused"
+) -> Step:
     """One optimizer update per batch on the CPU, as the training loop makes it: Adam and the Noam
     schedule (optim.build_optimizer), the label-smoothed loss over the batch's target tokens, in
-    `precision` (fp32, bf16 autocast, or bf16-output: fp32 with the output projection in bf16)."""
+    `precision` (fp32, bf16 autocast, or bf16-output: fp32 with the output projection in bf16),
+    attending with the `attention` kernel (runtime.ATTENTION_KERNELS; prepare.set_up_attention
+    resolves train.attention as the loop does)."""
     device = torch.device("cpu")
     model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
     model.train()
@@ -79,7 +83,7 @@ def training_step(model: Transformer, tc: TrainConfig, precision: str) -> Step:
     chunked = chunked_loss(tc, device)
 
     def step(batch: Batch) -> torch.Tensor:
-        with autocast(precision, device):
+        with autocast(precision, device), attention_kernel(attention):
             loss = training_loss(
                 model, batch.src, batch.tgt_in, batch.tgt_out, tc.label_smoothing, chunked
             )
