@@ -430,13 +430,13 @@ def training_setup(res: dict) -> str:
 
 
 def attention_sentence(res: dict) -> str:
-    """Which attention kernel ours trained with in each precision (train.attention auto, timed at
+    """Which attention kernel ours trained with in each precision (train.attention, auto timed at
     start-up as `tmt train` does); "" for a run from before the bench recorded it."""
     kernels = res.get("attention")
     if not kernels:
         return ""
     each = ", ".join(f"{kernel} in {precision}" for precision, kernel in kernels.items())
-    return f" Ours attends with the kernel `train.attention: auto` picks here: {each}."
+    return f" Ours' attention kernel (`train.attention`, resolved as `tmt train` does): {each}."
 
 
 MFU_HEADS = {"bf16": "MFU vs bf16 ceiling", "fp32": "vs fp32 ceiling"}

@@ -145,7 +145,7 @@ def test_speed(tiny, tmp_path, monkeypatch, flags):
     precisions = ["fp32", "bf16", "bf16-output"] if bf16 else ["fp32"]
     assert list(res["attention"]) == precisions
     assert set(res["attention"].values()) <= set(ATTENTION_KERNELS)
-    assert f"picks here: {res['attention']['fp32']} in fp32" in text
+    assert f"resolved as `tmt train` does): {res['attention']['fp32']} in fp32" in text
     if not bf16:  # no AVX-512: the native rows are the AVX2 ones, and no child measures them again
         assert "avx2" not in res and res["avx2_native"] == "the CPU has no AVX-512"
         assert "Not measured again in a child process: the CPU has no AVX-512" in text
