@@ -397,8 +397,9 @@ def test_attention_is_timed_only_for_auto_on_a_cpu_and_a_resumed_run_keeps_its_k
     monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step: probes.append(1) or "math")
 
     def kernel(attention: str, device: torch.device = CPU, resumed: str = "") -> str:
+        checkpoint = {"train_state": {"attention": resumed}} if resumed else None
         return prepare.set_up_attention(
-            model, TrainConfig(attention=attention), device, "fp32", resumed
+            model, TrainConfig(attention=attention), device, "fp32", checkpoint
         )
 
     assert kernel("auto") == "math" and probes == [1]

@@ -36,6 +36,7 @@ from .runtime import (
     choose_cpu_attention,
     choose_cpu_precision,
     keep_freed_memory,
+    measured_choice,
     pick_device,
     training_precision,
 )
@@ -271,19 +272,23 @@ def cpu_attention_probe(
 
 
 def set_up_attention(
-    model: Transformer, tc: TrainConfig, device: torch.device, precision: str, resumed: str = ""
+    model: Transformer,
+    tc: TrainConfig,
+    device: torch.device,
+    precision: str,
+    resumed: dict[str, Any] | None = None,
 ) -> str:
-    """The attention kernel to train with: train.attention, or for auto on a CPU the faster one
-    measured here (runtime.choose_cpu_attention); auto on a GPU leaves torch's fused kernels. A
-    resumed auto run keeps the kernel it began with (`resumed`), as it keeps its precision."""
-    if tc.attention != "auto":
-        return tc.attention
-    if resumed:
-        log.info("attention auto: %s, as the run being resumed trained with", resumed)
-        return resumed
-    if device.type != "cpu":
-        return "fused"
-    return choose_cpu_attention(cpu_attention_probe(model, tc, device, precision))
+    """The attention kernel to train with (runtime.measured_choice): train.attention, for auto on
+    a CPU the faster one measured here (runtime.choose_cpu_attention), on a GPU torch's fused
+    kernels; a resumed auto run keeps the kernel it began with."""
+    return measured_choice(
+        "attention",
+        tc.attention,
+        device,
+        resumed["train_state"].get("attention", "") if resumed is not None else "",
+        lambda: choose_cpu_attention(cpu_attention_probe(model, tc, device, precision)),
+        "fused",
+    )
 
 
 def describe_run(

@@ -231,14 +231,29 @@ def training_precision(
     resumed: str = "",
     choose_on_cpu: Callable[[], str] = lambda: "fp32",
 ) -> str:
-    """The precision a run trains in: a resumed auto run keeps the one it began in (`resumed`), so
-    one run never mixes two; auto on a CPU is measured (`choose_on_cpu`, once); else as resolved."""
-    if requested == "auto" and resumed:
-        log.info("precision auto: %s, as the run being resumed trained in", resumed)
+    """The precision a run trains in (measured_choice; auto off a CPU: resolve_precision's)."""
+    return measured_choice(
+        "precision", requested, device, resumed, choose_on_cpu, resolve_precision(requested, device)
+    )
+
+
+def measured_choice(
+    setting: str,
+    requested: str,
+    device: torch.device,
+    resumed: str,
+    choose_on_cpu: Callable[[], str],
+    elsewhere: str,
+) -> str:
+    """What a run's train.`setting` (precision, attention) resolves to: as asked unless `auto`; an
+    auto run being resumed keeps the choice it began with (`resumed`), so one run never mixes two;
+    auto on a CPU is measured (`choose_on_cpu`, once); on other devices `elsewhere`."""
+    if requested != "auto":
+        return requested
+    if resumed:
+        log.info("%s auto: %s, as the run being resumed trained with", setting, resumed)
         return resumed
-    if requested == "auto" and device.type == "cpu":
-        return choose_on_cpu()
-    return resolve_precision(requested, device)
+    return choose_on_cpu() if device.type == "cpu" else elsewhere
 
 
 # scaled_dot_product_attention's kernels a run can train with: torch's own choice ("fused": its

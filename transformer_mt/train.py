@@ -172,13 +172,7 @@ class Trainer:
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # raw text, for BLEU
         self.model = build_model(cfg, self.tokenizer, parent).to(self.device)
         self.precision = set_up_precision(self.model, tc, self.dist, self.device, resumed)
-        self.attention = set_up_attention(
-            self.model,
-            tc,
-            self.device,
-            self.precision,
-            resumed["train_state"].get("attention", "") if resumed else "",
-        )
+        self.attention = set_up_attention(self.model, tc, self.device, self.precision, resumed)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.chunked_loss = chunked_loss(tc, self.device)
         self.state, self.writer = TrainState(), NullWriter()  # the event log opens in _start
