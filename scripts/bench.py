@@ -73,7 +73,13 @@ from transformer_mt.config import Config, apply_override, config_from_dict
 from transformer_mt.data import Batch, DataError, text_file
 from transformer_mt.model import Transformer, label_smoothed_loss
 from transformer_mt.prepare import set_up_attention
-from transformer_mt.runtime import DTYPES, cpu_bf16_obstacle, cpu_flags, matmul_gflops
+from transformer_mt.runtime import (
+    DTYPES,
+    cpu_bf16_obstacle,
+    cpu_flags,
+    matmul_gflops,
+    set_threads,
+)
 from transformer_mt.vocab import PAD
 
 log = logger("bench")
@@ -779,7 +785,7 @@ def decoding_comparison(minutes: int, rounds: int) -> dict:
 
 def measure(args: argparse.Namespace, cfg: Config) -> dict:
     """Every figure of the report, into one dict (bench.json)."""
-    torch.set_num_threads(cfg.train.threads or 2)
+    set_threads(cfg.train.threads or 2)
     cpu = cpu_model()
     res: dict = {
         "date": now(),
@@ -838,7 +844,7 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict:
 def fp32_training(args: argparse.Namespace, cfg: Config) -> dict:
     """The matmul ceiling and the training table's fp32 rows (ours, the reference) and fairseq's
     (which trains in fp32 on a CPU), as the kernels this process was started with allow."""
-    torch.set_num_threads(cfg.train.threads or 2)
+    set_threads(cfg.train.threads or 2)
     res: dict = {
         "date": now(),
         "cpu": cpu_model(),

@@ -41,18 +41,16 @@ def child(mode: str, config: Path, run: Path, steps: int, overrides: list[str]) 
     """`steps` fp32 updates of the config's model on its first batches, with malloc as it comes
     ("default") or keeping freed memory ("keep"); batches are collated inside the timing, as the
     training loop does."""
-    import torch
-
     from scripts.benchlib.training import BenchData, training_step
     from transformer_mt.config import load_config
     from transformer_mt.data import collate, make_batches
-    from transformer_mt.runtime import keep_freed_memory, minor_faults
+    from transformer_mt.runtime import keep_freed_memory, minor_faults, set_threads
     from transformer_mt.tokenizer import Tokenizer
 
     if mode == "keep" and not keep_freed_memory():
         raise SystemExit("bench_allocator: keep_freed_memory() is not available here")
     cfg = load_config(config, overrides)
-    torch.set_num_threads(cfg.train.threads or 2)
+    set_threads(cfg.train.threads or 2)
     bench = BenchData.load(cfg, Tokenizer.load(run))
     idx, train = bench.data.train_idx, bench.data.train
     order = make_batches(

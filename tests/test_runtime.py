@@ -472,3 +472,15 @@ def test_a_stop_signal_during_a_write_to_the_same_stream_still_stops_the_run(mon
     stop.handler(15, None)  # SIGTERM
     assert stop.caught == "SIGTERM"
     assert "tmt: SIGTERM: finishing this step and writing last.pt" in capfd.readouterr().err
+
+
+def test_set_threads_calls_torch_only_for_a_new_count(monkeypatch):
+    """An explicit torch.set_num_threads with the count torch already runs slowed its flash
+    attention kernel on an AVX2-only EPYC, so set_threads skips that call and makes any other."""
+    calls = []
+    monkeypatch.setattr(runtime.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(runtime.torch, "set_num_threads", calls.append)
+    runtime.set_threads(2)
+    assert calls == []
+    runtime.set_threads(1)
+    assert calls == [1]

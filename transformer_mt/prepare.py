@@ -38,6 +38,7 @@ from .runtime import (
     keep_freed_memory,
     measured_choice,
     pick_device,
+    set_threads,
     training_precision,
 )
 from .segmentations import sampled_segmentations
@@ -179,7 +180,7 @@ def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device]:
     """Threads, the process group, seeds (seed + rank: each rank its own dropout masks); this
     process's device."""
     if tc.threads:
-        torch.set_num_threads(tc.threads)
+        set_threads(tc.threads)
     d = init_distributed(tc.device)
     seed_everything(tc.seed, d.rank)
     device = rank_device(d, pick_device(tc.device))

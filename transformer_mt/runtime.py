@@ -272,9 +272,9 @@ def choose_cpu_attention(
 ) -> str:
     """train.attention auto on a CPU: time `step(kernel)`, attention's forward and backward at the
     run's shapes, with each kernel, and train with math only where it is at least 10% faster. At
-    Multi30k's ~25 tokens a sentence, math took ~5.2 ms to flash's ~8.7 on an AVX2-only EPYC (the
-    whole step 1.12x faster), while an earlier A/B on an AVX-512 one found flash the faster
-    (docs/multi30k.md)."""
+    Multi30k's ~25 tokens a sentence on an AVX2-only EPYC, math took ~5.2 ms to flash's ~8.7 after
+    an explicit torch.set_num_threads, and the two were level without it; an earlier A/B on an
+    AVX-512 one found flash the faster (docs/multi30k.md)."""
     for kernel in ATTENTION_KERNELS:
         step(kernel)  # warm-up
     seconds = best_seconds(step, ATTENTION_KERNELS, repeats, clock)
@@ -285,6 +285,15 @@ def choose_cpu_attention(
         choice,
     )
     return choice
+
+
+def set_threads(n: int) -> None:
+    """torch.set_num_threads(n), unless torch already runs n threads. On an AVX2-only EPYC the
+    call itself, with the 2 threads torch had chosen, slowed torch's flash attention kernel for CPUs
+    (forward and backward at Multi30k's shapes: ~8 ms against ~6; the math kernel's unchanged;
+    docs/multi30k.md), so a count torch has already is left alone."""
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
 
 
 def keep_freed_memory() -> bool:
