@@ -624,7 +624,7 @@ class _ChunkedOutputLoss(torch.autograd.Function):
             if exact:  # p @ W and p^T @ h, with p = e / total applied to the (c, d) sides
                 inv = total.reciprocal()
                 grad_x[s : s + rows] = (e @ w) * inv
-                grad_w += e.t() @ (xc * inv)
+                grad_w.addmm_(e.t(), xc * inv)  # in place: no (V, d) product to add
             else:  # the chunk's whole dloss/dz, rounded once
                 dz = e.mul_(total.reciprocal()).sub_(smoothing / V)
                 dz[torch.arange(len(tc)), tc] -= 1 - smoothing
