@@ -42,13 +42,13 @@ def child(
 ) -> dict:
     """One contender: load, warm up on one batch, decode every batch (timed), score; with its own
     peak RSS."""
-    import torch
 
     from transformer_mt.data import chunks, read_lines
     from transformer_mt.inference import load_translator
     from transformer_mt.metrics import score
+    from transformer_mt.runtime import set_threads
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     t = load_translator(
         model,
         device="cpu",

@@ -129,13 +129,13 @@ def run(
     log=print,
 ) -> dict:
     """Every setting of `settings` on `checkpoint` (a float32 export in a temporary directory)."""
-    import torch
 
     from transformer_mt.checkpoint import load_for_inference, resolve_checkpoint
     from transformer_mt.data import read_lines
     from transformer_mt.export import export_ctranslate2
+    from transformer_mt.runtime import set_threads
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     path = resolve_checkpoint(checkpoint)
     _, _, cfg, ckpt = load_for_inference(path, "cpu")
     beam, alpha = beam or cfg.decode.beam, cfg.decode.alpha if alpha is None else alpha

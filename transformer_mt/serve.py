@@ -895,12 +895,14 @@ def model_threads(threads: int | None = None) -> int:
 
     import torch
 
+    from .runtime import set_threads
+
     if threads is None and "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
-    torch.set_num_threads(threads or max(1, cores - 1))
+    set_threads(threads or max(1, cores - 1))
     return torch.get_num_threads()
 
 
