@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transformer_mt import prepare, runtime
 from transformer_mt.runtime import fastest_cpu_precision, minor_faults
@@ -320,16 +321,20 @@ def test_auto_is_measured_on_a_cpu_and_a_resumed_run_keeps_its_precision():
         ({"fused": 0.0087, "math": 0.0052}, "math"),  # the AVX2-only EPYC's timings
         ({"fused": 0.0100, "math": 0.0095}, "fused"),  # math not 10% faster: torch's own choice
         ({"fused": 0.0050, "math": 0.0090}, "fused"),
+        ({"fused": 0.0112, "math": 0.0013}, "math"),  # bf16 on a Xeon with AMX
     ],
 )
 def test_attention_auto_trains_with_math_only_where_clearly_faster(caplog, costs, chosen):
     steps = FakeSteps(costs)
     with caplog.at_level("INFO", logger="transformer_mt"):
-        assert runtime.choose_cpu_attention(steps, repeats=3, clock=steps.clock) == chosen
+        assert (
+            runtime.choose_cpu_attention(steps, repeats=3, clock=steps.clock, precision="bf16")
+            == chosen
+        )
     # one warm-up and three timed each, taken in turns
     assert steps.calls == 4 * ["fused", "math"]
     assert f"{1000 * costs['math']:.2f} ms math" in caplog.text
-    assert f"training with {chosen}" in caplog.text
+    assert "in bf16 took" in caplog.text and f"a bf16 run trains with {chosen}" in caplog.text
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -394,7 +399,9 @@ def test_attention_is_timed_only_for_auto_on_a_cpu_and_a_resumed_run_keeps_its_k
         ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True
     )
     probes = []
-    monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step: probes.append(1) or "math")
+    monkeypatch.setattr(
+        prepare, "choose_cpu_attention", lambda step, **kw: probes.append(1) or "math"
+    )
 
     def kernel(attention: str, device: torch.device = CPU, resumed: str = "") -> str:
         checkpoint = {"train_state": {"attention": resumed}} if resumed else None
@@ -407,6 +414,48 @@ def test_attention_is_timed_only_for_auto_on_a_cpu_and_a_resumed_run_keeps_its_k
     assert kernel("fused") == "fused" and kernel("math", resumed="fused") == "math"  # as asked
     assert kernel("auto", torch.device("cuda")) == "fused"  # a GPU: torch's fused kernels
     assert probes == [1]
+
+
+def test_the_precision_probe_times_each_precision_with_its_own_attention_kernel(monkeypatch):
+    """precision auto times a bf16 step with the kernel a bf16 run would train with, not fp32's: on
+    a Xeon with AMX flash made bf16 the slowest precision and math the fastest. Each precision's
+    kernel is measured once, however many steps the precision probe takes."""
+    from transformer_mt.config import ModelConfig, TrainConfig
+    from transformer_mt.model import Transformer
+
+    model = Transformer(
+        ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32), 30, 30, True
+    )
+    # the attention probe's "step" is its precision; its choice: math for bf16 alone
+    monkeypatch.setattr(prepare, "cpu_attention_probe", lambda m, tc, device, precision: precision)
+    measured = []
+    monkeypatch.setattr(
+        prepare,
+        "choose_cpu_attention",
+        lambda precision_, **kw: (
+            measured.append(precision_) or ("math" if precision_ == "bf16" else "fused")
+        ),
+    )
+    sdpa, backward = F.scaled_dot_product_attention, []
+
+    def recorded(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        backward.append("fused" if "FlashAttention" in out.grad_fn.name() else "math")
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    tc = TrainConfig(attention="auto", max_tokens=48)
+    kernel_for = prepare.attention_chooser(model, tc, CPU)
+    step = prepare.cpu_probe_step(model, tc, CPU, kernel_for)
+    for precision in ("fp32", "bf16", "fp32", "bf16"):
+        backward.clear()
+        step(precision)
+        assert set(backward) == {"math" if precision == "bf16" else "fused"}, precision
+    assert measured == ["fp32", "bf16"]
+    assert kernel_for("bf16") == "math" and measured == ["fp32", "bf16"]
+    # a kernel asked for in the config is every precision's
+    fixed = prepare.attention_chooser(model, TrainConfig(attention="fused"), CPU)
+    assert fixed("bf16") == "fused" and measured == ["fp32", "bf16"]
 
 
 @pytest.mark.skipif(

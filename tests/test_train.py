@@ -644,19 +644,62 @@ def test_training_attends_with_the_chosen_kernel_and_a_resume_keeps_it(
         return out
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
-    monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step: "math")
+    monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step, **kw: "math")
     cfg = copy_config(max_steps=2, valid_every=2, attention="auto")
     Trainer(cfg).train()
     assert kernels == {"math"}
     last = tmp_path / "run" / "checkpoints" / "last.pt"
     assert torch.load(last, weights_only=True)["train_state"]["attention"] == "math"
-    monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step: "fused")
+    monkeypatch.setattr(prepare, "choose_cpu_attention", lambda step, **kw: "fused")
     kernels.clear()
     resumed = Trainer(
         config_from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "max_steps": 3}}),
         resume=True,
     )
     assert resumed.train()["steps"] == 3 and kernels == {"math"}
+
+
+def test_precision_auto_trains_with_the_kernel_measured_for_the_precision_it_chose(
+    copy_config, tmp_path, monkeypatch
+):
+    """precision and attention auto together: the precision probe's steps run each precision
+    with that precision's kernel, and the run trains with the chosen precision's (math for bf16
+    here, as on a Xeon with AMX), not the one measured for fp32."""
+    import transformer_mt.prepare as prepare
+
+    monkeypatch.setattr(prepare, "cpu_attention_probe", lambda m, tc, device, precision: precision)
+    monkeypatch.setattr(
+        prepare,
+        "choose_cpu_attention",
+        lambda probed, **kw: "math" if probed == "bf16" else "fused",
+    )
+
+    def choose(step, agree_min):
+        step("fp32")
+        step("bf16")
+        return "bf16"
+
+    monkeypatch.setattr(prepare, "choose_cpu_precision", choose)
+    sdpa, kernels = F.scaled_dot_product_attention, set()
+
+    def recorded(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        if out.grad_fn is not None:
+            kernels.add("fused" if "FlashAttention" in out.grad_fn.name() else "math")
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    trainer = Trainer(copy_config(max_steps=2, valid_every=2, precision="auto", attention="auto"))
+    assert (trainer.precision, trainer.attention) == ("bf16", "math")
+    assert kernels == {"fused", "math"}  # the probe's fp32 and bf16 steps
+    kernels.clear()
+    trainer.train()
+    assert kernels == {"math"}
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["train_state"]["precision"], state["train_state"]["attention"]) == (
+        "bf16",
+        "math",
+    )
 
 
 def test_a_nan_loss_closes_the_event_log_before_it_stops(copy_config, monkeypatch):

@@ -5,6 +5,7 @@ loop calls (DDP, torch.compile) and the event log. train.py runs the loop on wha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
@@ -197,12 +198,16 @@ def probe_batch_shape(tc: TrainConfig) -> tuple[int, int]:
 
 
 def cpu_probe_step(
-    model: Transformer, tc: TrainConfig, device: torch.device
+    model: Transformer,
+    tc: TrainConfig,
+    device: torch.device,
+    kernel_for: Callable[[str], str] = lambda precision: "fused",
 ) -> Callable[[str], None]:
     """A training step of `model` in a given precision on a synthetic batch of train.max_tokens
     (twice that with R-Drop's two passes; at most 4,096), for runtime.choose_cpu_precision: how much
-    the output layer weighs depends on the batch size. It changes no weight, and leaves no gradient
-    and the output layer in fp32."""
+    the output layer weighs depends on the batch size. Attention runs the kernel a run in that
+    precision would train with (`kernel_for`, attention_chooser). It changes no weight, and leaves
+    no gradient and the output layer in fp32."""
     B, T = probe_batch_shape(tc)
     n = B * T
     # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than the
@@ -214,7 +219,7 @@ def cpu_probe_step(
 
     def step(precision: str) -> None:
         model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
-        with autocast(precision, device):
+        with autocast(precision, device), attention_kernel(kernel_for(precision)):
             loss = training_loss(model, src, tgt, tgt, tc.label_smoothing, chunked)
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -229,16 +234,18 @@ def set_up_precision(
     d: Dist,
     device: torch.device,
     resumed: dict[str, Any] | None,
+    kernel_for: Callable[[str], str] = lambda precision: "fused",
 ) -> str:
     """The precision to train in (runtime.training_precision: auto on a CPU times this model's
-    step, all ranks taking the most exact choice; a resumed run keeps its own); bf16-output puts
-    the model's output projection in bf16."""
+    step, each precision with its attention kernel `kernel_for(precision)`, all ranks taking the
+    most exact choice; a resumed run keeps its own); bf16-output puts the model's output projection
+    in bf16."""
     precision = training_precision(
         tc.precision,
         device,
         resumed["train_state"].get("precision", "") if resumed is not None else "",
         lambda: choose_cpu_precision(
-            cpu_probe_step(model, tc, device), lambda mine: agree_min(d, device, mine)
+            cpu_probe_step(model, tc, device, kernel_for), lambda mine: agree_min(d, device, mine)
         ),
     )
     model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
@@ -287,8 +294,25 @@ def set_up_attention(
         tc.attention,
         device,
         resumed["train_state"].get("attention", "") if resumed is not None else "",
-        lambda: choose_cpu_attention(cpu_attention_probe(model, tc, device, precision)),
+        lambda: choose_cpu_attention(
+            cpu_attention_probe(model, tc, device, precision), precision=precision
+        ),
         "fused",
+    )
+
+
+def attention_chooser(
+    model: Transformer,
+    tc: TrainConfig,
+    device: torch.device,
+    resumed: dict[str, Any] | None = None,
+) -> Callable[[str], str]:
+    """precision -> the attention kernel a run in that precision trains with (set_up_attention),
+    measured at most once for each: precision auto times every precision with its own kernel. On
+    a Xeon with AMX, torch's flash kernel made bf16 steps slower than fp32 ones (its backward ~10x
+    fp32's), while bf16 with the math kernel was the fastest of all (docs/multi30k.md)."""
+    return functools.cache(
+        lambda precision: set_up_attention(model, tc, device, precision, resumed)
     )
 
 

@@ -268,20 +268,27 @@ def attention_kernel(kernel: str) -> contextlib.AbstractContextManager:
 
 
 def choose_cpu_attention(
-    step: Callable[[str], None], repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+    step: Callable[[str], None],
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+    *,
+    precision: str = "fp32",
 ) -> str:
     """train.attention auto on a CPU: time `step(kernel)`, attention's forward and backward at the
-    run's shapes, with each kernel, and train with math only where it is at least 10% faster. At
-    Multi30k's ~25 tokens a sentence on an AVX2-only EPYC, math took ~5.2 ms to flash's ~8.7 after
-    an explicit torch.set_num_threads, and the two were level without it; an earlier A/B on an
-    AVX-512 one found flash the faster (docs/multi30k.md)."""
+    run's shapes in `precision`, with each kernel, and train with math only where it is at least 10%
+    faster. At Multi30k's ~25 tokens a sentence on an AVX2-only EPYC, math took ~5.2 ms to flash's
+    ~8.7 after an explicit torch.set_num_threads, and the two were level without it; an earlier A/B
+    on an AVX-512 one found flash the faster in fp32. In bf16 on a Xeon with AMX, flash's backward
+    took ~11 ms a call to fp32's ~1 (docs/multi30k.md)."""
     for kernel in ATTENTION_KERNELS:
         step(kernel)  # warm-up
     seconds = best_seconds(step, ATTENTION_KERNELS, repeats, clock)
     choice = "math" if seconds["math"] < 0.9 * seconds["fused"] else "fused"
     log.info(
-        "attention auto: forward and backward took %s on this CPU; training with %s",
+        "attention auto: forward and backward in %s took %s on this CPU; for %s: %s",
+        precision,
         ", ".join(f"{1000 * s:.2f} ms {kernel}" for kernel, s in seconds.items()),
+        precision,
         choice,
     )
     return choice

@@ -42,6 +42,7 @@ from .model import label_smoothed_loss, symmetric_kl
 from .optim import build_optimizer, cooldown_by_steps, plan_cooldown, plan_warmup, warmup_by_steps
 from .prepare import (
     NullWriter,
+    attention_chooser,
     build_model,
     chunked_loss,
     describe_run,
@@ -49,7 +50,6 @@ from .prepare import (
     open_event_log,
     prepare_run,
     progress_bar,
-    set_up_attention,
     set_up_precision,
     training_forward,
     training_loss,
@@ -171,8 +171,11 @@ class Trainer:
         bleu = self.data.valid is not None and tc.valid_bleu and self.dist.main  # rank 0 validates
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # raw text, for BLEU
         self.model = build_model(cfg, self.tokenizer, parent).to(self.device)
-        self.precision = set_up_precision(self.model, tc, self.dist, self.device, resumed)
-        self.attention = set_up_attention(self.model, tc, self.device, self.precision, resumed)
+        kernel_for = attention_chooser(self.model, tc, self.device, resumed)
+        self.precision = set_up_precision(
+            self.model, tc, self.dist, self.device, resumed, kernel_for
+        )
+        self.attention = kernel_for(self.precision)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.chunked_loss = chunked_loss(tc, self.device)
         self.state, self.writer = TrainState(), NullWriter()  # the event log opens in _start
