@@ -206,18 +206,25 @@ def cpu_probe_step(
     """A training step of `model` in a given precision on a synthetic batch of train.max_tokens
     (twice that with R-Drop's two passes; at most 4,096), for runtime.choose_cpu_precision: how much
     the output layer weighs depends on the batch size. Attention runs the kernel a run in that
-    precision would train with (`kernel_for`, attention_chooser). It changes no weight, and leaves
+    precision would train with (`kernel_for`, attention_chooser). Every call takes batch shapes no
+    call took before (sources of 24 tokens, then 25, ...; targets 3 longer, as a pair's two sides
+    differ), as training's batches rarely repeat one: oneDNN builds bf16 kernels for each new
+    shape, and on a Xeon with AMX bf16 (math attention) ran faster than fp32 on one repeated shape
+    but slower on fresh ones, as in training (docs/multi30k.md). It changes no weight, and leaves
     no gradient and the output layer in fp32."""
     B, T = probe_batch_shape(tc)
-    n = B * T
-    # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than the
-    # source's), above the special ids. (B, T)
-    src = (torch.arange(n) % (model.src_embed.lut.num_embeddings - 4) + 4).view(B, T).to(device)
-    # (B, T)
-    tgt = (torch.arange(n) % (model.generator.out_features - 4) + 4).view(B, T).to(device)
+    tokens, calls = B * T, [0]
     chunked = chunked_loss(tc, device)
 
     def step(precision: str) -> None:
+        t = T + calls[0]
+        calls[0] += 1
+        b = max(1, tokens // t)
+        # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than
+        # the source's), above the special ids. (b, t) and (b, t + 3)
+        ids = torch.arange(b * (t + 3), device=device)
+        src = (ids[: b * t] % (model.src_embed.lut.num_embeddings - 4) + 4).view(b, t)
+        tgt = (ids % (model.generator.out_features - 4) + 4).view(b, t + 3)
         model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None
         with autocast(precision, device), attention_kernel(kernel_for(precision)):
             loss = training_loss(model, src, tgt, tgt, tc.label_smoothing, chunked)
