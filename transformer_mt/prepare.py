@@ -316,8 +316,8 @@ def attention_chooser(
 ) -> Callable[[str], str]:
     """precision -> the attention kernel a run in that precision trains with (set_up_attention),
     measured at most once for each: precision auto times every precision with its own kernel. On
-    a Xeon with AMX, torch's flash kernel made bf16 steps slower than fp32 ones (its backward ~10x
-    fp32's), while bf16 with the math kernel was the fastest of all (docs/multi30k.md)."""
+    a Xeon with AMX, torch's flash backward in bf16 took ~11x its fp32 time, and ~4x the math
+    kernel's forward and backward in bf16 (docs/multi30k.md)."""
     return functools.cache(
         lambda precision: set_up_attention(model, tc, device, precision, resumed)
     )
