@@ -316,8 +316,8 @@ def attention_chooser(
 ) -> Callable[[str], str]:
     """precision -> the attention kernel a run in that precision trains with (set_up_attention),
     measured at most once for each: precision auto times every precision with its own kernel. On
-    a Xeon with AMX, torch's flash backward in bf16 took ~11x its fp32 time, and ~4x the math
-    kernel's forward and backward in bf16 (docs/multi30k.md)."""
+    a Xeon with AMX, torch's flash kernel took ~4x the math kernel's time in bf16 (its backward ~11x
+    its own in fp32), which alone made bf16 the slowest precision (docs/multi30k.md)."""
     return functools.cache(
         lambda precision: set_up_attention(model, tc, device, precision, resumed)
     )
