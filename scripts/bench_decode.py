@@ -42,7 +42,6 @@ def child(
 ) -> dict:
     """One contender: load, warm up on one batch, decode every batch (timed), score; with its own
     peak RSS."""
-
     from transformer_mt.data import chunks, read_lines
     from transformer_mt.inference import load_translator
     from transformer_mt.metrics import score

@@ -129,7 +129,6 @@ def run(
     log=print,
 ) -> dict:
     """Every setting of `settings` on `checkpoint` (a float32 export in a temporary directory)."""
-
     from transformer_mt.checkpoint import load_for_inference, resolve_checkpoint
     from transformer_mt.data import read_lines
     from transformer_mt.export import export_ctranslate2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -213,12 +214,11 @@ def cpu_probe_step(
     but slower on fresh ones, as in training (docs/multi30k.md). It changes no weight, and leaves
     no gradient and the output layer in fp32."""
     B, T = probe_batch_shape(tc)
-    tokens, calls = B * T, [0]
+    tokens, lengths = B * T, itertools.count(T)
     chunked = chunked_loss(tc, device)
 
     def step(precision: str) -> None:
-        t = T + calls[0]
-        calls[0] += 1
+        t = next(lengths)
         b = max(1, tokens // t)
         # Ids within each side's own vocabulary (a separate target vocabulary may be smaller than
         # the source's), above the special ids. (b, t) and (b, t + 3)
