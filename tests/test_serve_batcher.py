@@ -127,8 +127,8 @@ def limits(**changes: Any) -> Limits:
 
 
 async def settled(batcher: Batcher, pending: int = 0) -> dict[str, int]:
-    """The stats once the worker has nothing left (the futures are settled before a job leaves
-    `pending`)."""
+    """The stats once the worker has nothing left (a job leaves `pending` before its future is
+    settled, so awaiting a job's answer is enough for that job; this waits for the dropped ones)."""
     while batcher.snapshot()["pending"] != pending:
         await asyncio.sleep(0.001)  # a poll: the worker's answers arrive through this loop
     return batcher.snapshot()
@@ -238,6 +238,40 @@ def test_a_request_of_no_lines_is_answered_without_a_model_call():
 
     run(scenario())
     assert fake.calls == [(["a"], {"beam": 2})]
+
+
+def test_a_job_is_counted_off_before_its_answer_goes_out(monkeypatch):
+    """A client that holds its answer must see /health without it: what `pending` and the outcome
+    counts say at the moment each job is answered (served, empty, or failed)."""
+    fake = Fake()
+    seen: list[dict[str, int]] = []
+    finish = Job.finish
+
+    def recording_finish(job: Job, *args: Any, **kwargs: Any) -> None:
+        seen.append(batcher.snapshot())
+        finish(job, *args, **kwargs)
+
+    monkeypatch.setattr(Job, "finish", recording_finish)
+
+    async def scenario() -> None:
+        batcher.start()
+        assert texts(await (await submit(batcher, ["a"])).future) == ["A"]
+        assert await (await submit(batcher, [])).future == []
+        loop = asyncio.get_running_loop()
+        broken = Job("translate", ["b"], {}, time.monotonic() + 3600, loop.create_future(), loop)
+        broken.key = lambda: 1 / 0  # a bug in the worker's own loop: this job fails with a 500
+        batcher.submit(broken)
+        with pytest.raises(Refused):
+            await broken.future
+        batcher.stop()
+
+    batcher = Batcher(fake, limits())
+    run(scenario())
+    assert [(s["pending"], s["served"], s["failed"]) for s in seen] == [
+        (0, 1, 0),
+        (0, 2, 0),
+        (0, 2, 1),
+    ]
 
 
 def test_a_long_request_is_served_in_chunks_and_a_short_one_rides_in_the_next_call():

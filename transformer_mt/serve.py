@@ -282,8 +282,8 @@ class Batcher:
             self._remove(job, "dropped")
         # no lines: nothing to run
         for job in [j for j in self.active if len(j.results) == len(j.lines)]:
-            job.finish(job.results)
             self._remove(job, "served")
+            job.finish(job.results)
         if not self.active:
             return not self.stopping
         self._run(self._gather())
@@ -404,8 +404,8 @@ class Batcher:
             job.results.extend(answers)
             job.served += sum(job.work[start:end])
             if len(job.results) == len(job.lines):
+                self._remove(job, "served")  # counted before answered: its client sees /health
                 job.finish(job.results)
-                self._remove(job, "served")
 
     def _call(self, batch: list[Slice]) -> list:
         """One model call over the batch's lines; it stops between decoding steps once all its jobs
@@ -436,12 +436,12 @@ class Batcher:
         """Answer each job not answered yet with its error: a user error as it is (400), anything
         else 500."""
         for job in [j for j in dict.fromkeys(jobs) if j in self.active]:
+            self._remove(job, "failed")
             job.finish(
                 error=error
                 if isinstance(error, UserError)
                 else Refused(500, "the server failed on this request; its log says why")
             )
-            self._remove(job, "failed")
 
     def _remove(self, job: Job, outcome: str) -> None:
         """Take a job off the worker's list and count how it ended (once: a job not on the list is
