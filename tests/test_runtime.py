@@ -1,5 +1,6 @@
 """Issue 16's CPU levers: precision `auto` measured at start-up, and malloc keeping freed memory."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -519,6 +520,46 @@ def test_malloc_keeps_freed_memory_so_big_tensors_stop_faulting():
     assert faults["default"] > 30 * 16000 * 0.9  # every 64 MB block came back as fresh pages
     assert faults["keep"] < faults["default"] / 6, faults  # at most a few more growths of the heap
     assert minor_faults() > 0
+
+
+def test_the_onednn_kernel_cache_is_raised_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv(runtime.ONEDNN_CACHE, raising=False)
+    assert runtime.keep_onednn_kernels()
+    assert int(os.environ[runtime.ONEDNN_CACHE]) > 1024  # oneDNN's own default
+    monkeypatch.setenv(runtime.ONEDNN_CACHE, "7")
+    assert not runtime.keep_onednn_kernels() and os.environ[runtime.ONEDNN_CACHE] == "7"
+
+
+def test_onednn_takes_the_cache_size_set_after_torch_is_imported():
+    """keep_onednn_kernels runs inside tmt train, after `import torch`: oneDNN must still read it.
+    With a capacity of 0 (no cache) the same bf16 matrix product compiles its kernel every time;
+    with the default the second and third find it (ONEDNN_VERBOSE=2 logs each lookup)."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from transformer_mt.runtime import keep_onednn_kernels
+        torch.set_num_threads(1)
+        if sys.argv[1] == "none":
+            assert keep_onednn_kernels(capacity=0)
+        a = torch.ones(64, 64, dtype=torch.bfloat16)
+        for _ in range(3):
+            torch.matmul(a, a)
+        """)
+    env = {k: v for k, v in os.environ.items() if k != runtime.ONEDNN_CACHE}
+    lookups = {}
+    for mode in ("default", "none"):
+        log = subprocess.run(
+            [sys.executable, "-c", script, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # oneDNN's verbose lines go to stdout
+            text=True,
+            check=True,
+            env={**env, "ONEDNN_VERBOSE": "2"},
+        ).stdout
+        lookups[mode] = {w: log.count(w) for w in ("cache_hit", "cache_miss")}
+    if not sum(lookups["default"].values()):
+        pytest.skip("torch runs bf16 matrix products without oneDNN on this CPU: no cache to size")
+    assert lookups["default"]["cache_hit"] >= 2, lookups
+    assert lookups["none"]["cache_hit"] == 0 and lookups["none"]["cache_miss"] >= 3, lookups
 
 
 def test_a_folder_renamed_into_place_has_a_plain_mkdirs_permissions(tmp_path):

@@ -38,6 +38,7 @@ from .runtime import (
     choose_cpu_attention,
     choose_cpu_precision,
     keep_freed_memory,
+    keep_onednn_kernels,
     measured_choice,
     pick_device,
     set_threads,
@@ -188,6 +189,8 @@ def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device]:
     device = rank_device(d, pick_device(tc.device))
     if device.type == "cpu" and keep_freed_memory():
         log.debug("malloc keeps freed memory: no page faults for each step's large tensors")
+    if device.type == "cpu":
+        keep_onednn_kernels()  # before the precision probe's first bf16 step
     return d, device
 
 
