@@ -282,8 +282,7 @@ class Batcher:
             self._remove(job, "dropped")
         # no lines: nothing to run
         for job in [j for j in self.active if len(j.results) == len(j.lines)]:
-            self._remove(job, "served")
-            job.finish(job.results)
+            self._answer(job, "served", job.results)
         if not self.active:
             return not self.stopping
         self._run(self._gather())
@@ -404,8 +403,7 @@ class Batcher:
             job.results.extend(answers)
             job.served += sum(job.work[start:end])
             if len(job.results) == len(job.lines):
-                self._remove(job, "served")  # counted before answered: its client sees /health
-                job.finish(job.results)
+                self._answer(job, "served", job.results)
 
     def _call(self, batch: list[Slice]) -> list:
         """One model call over the batch's lines; it stops between decoding steps once all its jobs
@@ -436,12 +434,21 @@ class Batcher:
         """Answer each job not answered yet with its error: a user error as it is (400), anything
         else 500."""
         for job in [j for j in dict.fromkeys(jobs) if j in self.active]:
-            self._remove(job, "failed")
-            job.finish(
+            self._answer(
+                job,
+                "failed",
                 error=error
                 if isinstance(error, UserError)
-                else Refused(500, "the server failed on this request; its log says why")
+                else Refused(500, "the server failed on this request; its log says why"),
             )
+
+    def _answer(
+        self, job: Job, outcome: str, result: Any = None, error: BaseException | None = None
+    ) -> None:
+        """Count the job off, then answer it: a client that holds its answer sees /health
+        without it."""
+        self._remove(job, outcome)
+        job.finish(result, error)
 
     def _remove(self, job: Job, outcome: str) -> None:
         """Take a job off the worker's list and count how it ended (once: a job not on the list is
