@@ -187,9 +187,9 @@ def init_runtime(tc: TrainConfig) -> tuple[Dist, torch.device]:
     d = init_distributed(tc.device)
     seed_everything(tc.seed, d.rank)
     device = rank_device(d, pick_device(tc.device))
-    if device.type == "cpu" and keep_freed_memory():
-        log.debug("malloc keeps freed memory: no page faults for each step's large tensors")
     if device.type == "cpu":
+        if keep_freed_memory():
+            log.debug("malloc keeps freed memory: no page faults for each step's large tensors")
         keep_onednn_kernels()  # before the precision probe's first bf16 step
     return d, device
 
