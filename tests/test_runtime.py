@@ -1,6 +1,7 @@
 """Issue 16's CPU levers: precision `auto` measured at start-up, malloc keeping freed memory, and
 oneDNN keeping its compiled bf16 kernels."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -318,6 +319,19 @@ def test_the_probe_runs_with_separate_vocabularies_of_two_sizes(
     costs = {"fp32": 1.0, "bf16-output": 1.0, "bf16": 1.0}
     choice, runs = probe_on_a_fake_clock(monkeypatch, model, 96, costs)
     assert choice == "fp32" and sorted(p for p, _ in runs) == sorted(3 * list(costs))
+
+
+def test_the_probe_hands_back_the_ms_a_step_that_its_log_line_gives(monkeypatch, caplog):
+    seconds = {"fp32": 0.4, "bf16-output": 0.37, "bf16": 0.5}
+    monkeypatch.setattr(
+        runtime, "fastest_cpu_precision", lambda step, **kw: ("bf16-output", seconds, {})
+    )
+    timings: dict[str, float] = {}
+    with caplog.at_level(logging.INFO, logger="transformer_mt"):
+        # 0.37 is not 10% under 0.4: fp32 keeps the near-tie
+        assert runtime.choose_cpu_precision(lambda p: None, timings=timings) == "fp32"
+    assert timings == {"fp32": 400.0, "bf16-output": 370.0, "bf16": 500.0}
+    assert "400 ms in fp32, 370 ms in bf16-output, 500 ms in bf16" in caplog.text
 
 
 def test_ranks_train_in_the_most_exact_of_their_choices(monkeypatch):

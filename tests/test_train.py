@@ -15,7 +15,7 @@ from transformer_mt.data import collate, read_split
 from transformer_mt.errors import TrainingDiverged
 from transformer_mt.inference import Translator
 from transformer_mt.model import chunked_output_loss, label_smoothed_loss, symmetric_kl
-from transformer_mt.optim import cooldown_factor, noam, noam_ramp
+from transformer_mt.optim import cooldown_by_steps, cooldown_factor, noam, noam_ramp
 from transformer_mt.train import Stop, Trainer, TrainState, limits_reached
 from transformer_mt.vocab import PAD, UNK
 
@@ -174,6 +174,31 @@ def test_cooldown_factor_is_a_straight_line_down_to_the_last_update():
     assert factors[:start] == [1.0] * start  # updates 1..6 untouched
     # 7..10 fall by 1/4 each; 11 is past the end
     assert factors[start:] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+def test_sqrt_cooldown_falls_as_one_minus_the_root_of_progress_never_above_linear():
+    start, end = 6, 10  # progress 0, 1/4, 2/4, 3/4 at updates 7..10, then 1 past the end
+    factors = [cooldown_factor(s, start, end, "sqrt") for s in range(1, 12)]
+    assert factors[:start] == [1.0] * start
+    assert factors[start:] == pytest.approx([1.0, 0.5, 1 - 0.5**0.5, 1 - 0.75**0.5, 0.0])
+    # sqrt(p) >= p on [0, 1]: the shape spends the same cooldown nearer 0
+    for s in range(1, 12):
+        assert cooldown_factor(s, start, end, "sqrt") <= cooldown_factor(s, start, end) + 1e-12
+
+
+def test_cooldown_shape_reaches_the_schedule(copy_config):
+    """train.cooldown_shape is what the optimizer's schedule multiplies by, not only a helper."""
+    trainer = Trainer(copy_config(max_steps=8, cooldown=0.5, cooldown_shape="sqrt"))
+    plan = cooldown_by_steps(trainer.cfg.train)  # as Trainer._start sets it
+    trainer.state.cooldown_start, trainer.state.cooldown_end = plan
+    assert plan == (4, 8)
+    lrs = []
+    for _, (batch, tokens) in zip(range(8), trainer.batches.stream(trainer.state)):
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.train_step([batch], tokens)
+    expected = [noam(s, 64, 60, 1.0) * cooldown_factor(s, 4, 8, "sqrt") for s in range(1, 9)]
+    assert lrs == pytest.approx(expected)
+    assert lrs[5] < noam(6, 64, 60, 1.0) * cooldown_factor(6, 4, 8)  # below the linear one
 
 
 def test_every_limit_that_fires_is_named_and_the_first_is_why_the_run_stopped():
@@ -594,6 +619,34 @@ def test_a_resume_keeps_adams_state_and_runs_this_machines_implementation(copy_c
     assert resumed.train()["steps"] == 3
 
 
+def test_checkpoints_keep_the_precision_probes_timings_and_a_resume_keeps_the_first(
+    copy_config, tmp_path, monkeypatch
+):
+    """A run's state records precision auto's ms a step for each precision timed, so that a
+    benchmark can say why it trained in what it did; a resume measures nothing and keeps them."""
+    import transformer_mt.runtime as runtime
+
+    timed = {"fp32": 0.4, "bf16-output": 0.3, "bf16": 0.5}
+    monkeypatch.setattr(
+        runtime, "fastest_cpu_precision", lambda s, **kw: ("bf16-output", timed, {})
+    )
+    cfg = copy_config(max_steps=2, valid_every=2, precision="auto", device="cpu")
+    Trainer(cfg).train()
+
+    def state() -> dict:
+        return torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)[
+            "train_state"
+        ]
+
+    assert state()["precision"] == "bf16-output"  # 0.3 is 25% under fp32's 0.4
+    assert state()["precision_probe_ms"] == {"fp32": 400.0, "bf16-output": 300.0, "bf16": 500.0}
+    timed = {"fp32": 0.1, "bf16-output": 0.9, "bf16": 0.9}  # would choose fp32 now
+    more = {**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "max_steps": 3}}
+    assert Trainer(config_from_dict(more), resume=True).train()["steps"] == 3
+    assert state()["precision"] == "bf16-output"
+    assert state()["precision_probe_ms"] == {"fp32": 400.0, "bf16-output": 300.0, "bf16": 500.0}
+
+
 def test_a_resumed_auto_run_keeps_the_precision_it_began_in(copy_config, tmp_path, monkeypatch):
     """precision auto is measured once, at the run's start: a resume whose probe would now choose
     otherwise trains on in the checkpoint's precision, so one run never mixes two."""
@@ -674,7 +727,7 @@ def test_precision_auto_trains_with_the_kernel_measured_for_the_precision_it_cho
         lambda probed, **kw: "math" if probed == "bf16" else "fused",
     )
 
-    def choose(step, agree_min):
+    def choose(step, agree_min, timings):
         step("fp32")
         step("bf16")
         return "bf16"

@@ -181,10 +181,13 @@ class TrainConfig:
     # time budget holds at the rate of the run's first minute (so a slow CPU's short run is not
     # mostly warm-up). Noam's rate after the warm-up is the same 1/sqrt(step) curve either way.
     warmup_share: float = 0.0
-    # The last fraction of the run over which the lr decays linearly to 0: of max_steps, or, when
+    # The last fraction of the run over which the lr decays to ~0: of max_steps, or, when
     # max_minutes ends the run first, of the time budget (its steps planned from the step rate so
     # far).
     cooldown: float = 0.0
+    # How the cooldown comes down: "linear", or "sqrt", 1 - sqrt(progress): it drops faster at first
+    # and spends longer near 0 (ahead of linear in Hägele et al. (2024)'s language-model runs).
+    cooldown_shape: Literal["linear", "sqrt"] = "linear"
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     weight_decay: float = 0.0

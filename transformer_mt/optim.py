@@ -1,9 +1,10 @@
-"""Adam and the learning-rate schedule: Noam warm-up (Sec. 5.3) and the linear cooldown; both can be
+"""Adam and the learning-rate schedule: Noam warm-up (Sec. 5.3) and the cooldown; both can be
 planned from the updates the time budget holds on this machine."""
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable
 
 import torch
@@ -29,12 +30,16 @@ def noam_ramp(step: int, d_model: int, warmup: int, factor: float, ramp: int) ->
     return min(peak * max(step, 1) / ramp, noam(max(step, warmup), d_model, warmup, factor))
 
 
-def cooldown_factor(step: int, start: int, end: int) -> float:
-    """The learning rate's multiplier for update `step` (1-based): 1 up to `start`, then a straight
-    line down to 1 / (end - start) at update `end`, the last (annealing to ~0 by the end of the run;
-    end <= start: none)."""
+def cooldown_factor(step: int, start: int, end: int, shape: str = "linear") -> float:
+    """The learning rate's multiplier for update `step` (1-based): 1 up to `start`, then down to ~0
+    at update `end`, the last (end <= start: none). `linear`: a straight line down to
+    1 / (end - start); `sqrt`: 1 - sqrt(progress), the progress (step - start - 1) / (end - start)
+    going from 0 at the cooldown's first update to (end - start - 1) / (end - start) at its last
+    (Hägele et al., 2024)."""
     if end <= start or step <= start:
         return 1.0
+    if shape == "sqrt":
+        return 1.0 - math.sqrt(min(step - start - 1, end - start) / (end - start))
     return max(end - step + 1, 0) / (end - start)
 
 
@@ -97,8 +102,9 @@ def plan_cooldown(
     (last_update_in_time); `agree` makes every rank take the same end (the earliest)."""
     end = agree(last_update_in_time(tc, step, minutes, steps_per_minute))
     log.info(
-        "cooldown: the learning rate decays linearly to ~0 from update %d to %d (%.1f "
+        "cooldown: the learning rate decays %s to ~0 from update %d to %d (%.1f "
         "updates/min, %.1f of train.max_minutes=%g left)",
+        "linearly" if tc.cooldown_shape == "linear" else "as 1 - sqrt(progress)",
         step,
         end,
         steps_per_minute,
@@ -143,7 +149,7 @@ def build_optimizer(
         optimizer,
         lambda i: (
             noam_ramp(i + 1, d_model, tc.warmup, tc.lr_factor, warmup())
-            * cooldown_factor(i + 1, *cooldown())
+            * cooldown_factor(i + 1, *cooldown(), tc.cooldown_shape)
         ),
     )
     return optimizer, scheduler

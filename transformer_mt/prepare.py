@@ -245,17 +245,20 @@ def set_up_precision(
     device: torch.device,
     resumed: dict[str, Any] | None,
     kernel_for: Callable[[str], str] = lambda precision: "fused",
+    timings: dict[str, float] | None = None,
 ) -> str:
     """The precision to train in (runtime.training_precision: auto on a CPU times this model's
     step, each precision with its attention kernel `kernel_for(precision)`, all ranks taking the
-    most exact choice; a resumed run keeps its own); bf16-output puts the model's output projection
-    in bf16."""
+    most exact choice, and puts this process's ms a step in `timings`; a resumed run keeps its
+    own); bf16-output puts the model's output projection in bf16."""
     precision = training_precision(
         tc.precision,
         device,
         resumed["train_state"].get("precision", "") if resumed is not None else "",
         lambda: choose_cpu_precision(
-            cpu_probe_step(model, tc, device, kernel_for), lambda mine: agree_min(d, device, mine)
+            cpu_probe_step(model, tc, device, kernel_for),
+            lambda mine: agree_min(d, device, mine),
+            timings,
         ),
     )
     model.output_dtype = torch.bfloat16 if precision == BF16_OUTPUT else None

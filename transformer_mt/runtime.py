@@ -205,14 +205,19 @@ CPU_PRECISIONS = ("fp32", BF16_OUTPUT, "bf16")
 
 
 def choose_cpu_precision(
-    step: Callable[[str], None], agree_min: Callable[[int], int] = lambda i: i
+    step: Callable[[str], None],
+    agree_min: Callable[[int], int] = lambda i: i,
+    timings: dict[str, float] | None = None,
 ) -> str:
     """precision auto on a CPU: time `step(precision)`, a training step of the run's model on a
     batch of the run's size, in fp32, in bf16 autocast and in fp32 with a bf16 output layer, and
     train in the fastest, but in fp32 unless that is at least 10% faster (fp32 is exact, so it wins
     near-ties and the choice does not flip on timing noise). `agree_min` takes this process's index
-    into CPU_PRECISIONS and returns the smallest over all ranks."""
+    into CPU_PRECISIONS and returns the smallest over all ranks. `timings`, if given, receives the
+    ms a step each timed precision took (what the log line says; runs keep it in their state)."""
     fastest, seconds, skipped = fastest_cpu_precision(step, candidates=CPU_PRECISIONS)
+    if timings is not None:
+        timings.update({p: round(1000 * s, 1) for p, s in seconds.items()})
     mine = fastest if seconds and seconds[fastest] < 0.9 * seconds["fp32"] else "fp32"
     choice = CPU_PRECISIONS[agree_min(CPU_PRECISIONS.index(mine))]
     timed = ", ".join(f"{1000 * s:.0f} ms in {p}" for p, s in seconds.items())

@@ -16,7 +16,7 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -94,7 +94,9 @@ class TrainState:
     seconds: float = 0.0  # training wall-clock of earlier (resumed-from) runs
     precision: str = ""  # what the run trains in (precision auto's measured choice)
     attention: str = ""  # the attention kernel it trains with (train.attention auto's choice)
-    # the lr decays linearly from update cooldown_start to ~0 at cooldown_end
+    # precision auto's start-up timings, ms a step in each precision timed (none: not measured)
+    precision_probe_ms: dict[str, float] = field(default_factory=dict)
+    # the lr decays (train.cooldown_shape) from update cooldown_start to ~0 at cooldown_end
     cooldown_start: int = 0
     cooldown_end: int = 0  # (both 0: no cooldown); see optim.cooldown_by_steps, _plan_cooldown
     warmup: int = 0  # the warm-up's updates once planned (0: optim.warmup_by_steps until then)
@@ -172,8 +174,9 @@ class Trainer:
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # raw text, for BLEU
         self.model = build_model(cfg, self.tokenizer, parent).to(self.device)
         kernel_for = attention_chooser(self.model, tc, self.device, resumed)
+        self.probe_ms: dict[str, float] = {}  # precision auto's timings, when it measures here
         self.precision = set_up_precision(
-            self.model, tc, self.dist, self.device, resumed, kernel_for
+            self.model, tc, self.dist, self.device, resumed, kernel_for, self.probe_ms
         )
         self.attention = kernel_for(self.precision)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
@@ -327,6 +330,8 @@ class Trainer:
         GFLOP/s."""
         tc, main, self.state.precision = self.cfg.train, self.dist.main, self.precision
         self.state.attention = self.attention
+        if self.probe_ms:  # measured now (a resumed run keeps its own)
+            self.state.precision_probe_ms = dict(self.probe_ms)
         if not self.state.cooldown_end:  # by steps; the time budget may move it earlier
             self.state.cooldown_start, self.state.cooldown_end = cooldown_by_steps(tc)
         if not (self.state.warmup or tc.warmup_share and tc.max_minutes):
