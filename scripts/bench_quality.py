@@ -460,15 +460,11 @@ def attention_text(r: dict) -> str:
 
 
 def probe_text(r: dict) -> str:
-    """ " (precision auto's start-up probe: 361 ms a step in fp32, 395 in bf16)", or "" for a run
-    whose precision was not measured, or from before its checkpoint kept the timings."""
+    """ " (precision auto's start-up probe, a step: 361 ms in fp32, 395 ms in bf16)", or "" for a
+    run whose precision was not measured, or from before its checkpoint kept the timings."""
     ms = r.get("precision_probe_ms") or {}
-    if not ms:
-        return ""
-    timed = [
-        f"{v:,.0f}{' ms a step' if i == 0 else ''} in {p}" for i, (p, v) in enumerate(ms.items())
-    ]
-    return f" (precision auto's start-up probe: {', '.join(timed)})"
+    timed = ", ".join(f"{v:,.0f} ms in {p}" for p, v in ms.items())
+    return f" (precision auto's start-up probe, a step: {timed})" if timed else ""
 
 
 def steps_text(step: int | list[int]) -> str:
@@ -515,6 +511,7 @@ def recipe_blocks(res: dict, r: dict) -> list[str]:
     row += (f"{r['steps']:,}", r["epochs"], f"{r['tgt_tok_per_s']:,}", r["sentences_per_second"])
     head = ["BLEU", "chrF", "TER", "training minutes", "steps", "epochs", "target tok/s"]
     flags = f"; flags {', '.join(r['cpu_flags'])}" if r.get("cpu_flags") else ""
+    trained = f"{r.get('trained_precision', '?')}{attention_text(r)}{probe_text(r)}"
     kernels = f", with {avx2_description()}" if r.get("avx2") else ""
     if kernels and r.get("cpu_flags") and "avx512f" not in r["cpu_flags"]:
         kernels += " (no AVX-512 on this CPU: its own kernels, an AVX2-only CPU itself)"
@@ -524,9 +521,8 @@ def recipe_blocks(res: dict, r: dict) -> list[str]:
         + " from a clean run directory on "
         f"{r.get('date', res['date'])} on **{r.get('cpu', res.get('cpu', 'an unrecorded CPU'))}** "
         f"({r.get('cores', res.get('cores', 2))} cores{flags}){kernels}, trained in "
-        f"{r.get('trained_precision', '?')}{attention_text(r)}{probe_text(r)}, then `tmt "
-        f"evaluate` with beam "
-        f"{r['beam']} on the checkpoint the recipe selected ({r['evaluated']}).",
+        f"{trained}, then `tmt evaluate` with beam {r['beam']} on the checkpoint the recipe "
+        f"selected ({r['evaluated']}).",
         md_table([*head, "decode sent/s"], [row], "rrrrrrrr"),
         f"BLEU signature: `{r['bleu_signature']}`; chrF: `{r['chrf_signature']}`; TER: "
         f"`{r['ter_signature']}`.",

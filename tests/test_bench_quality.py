@@ -87,7 +87,7 @@ def test_the_report_gives_test_bleu_at_each_mark_and_at_the_end():
 def test_a_run_says_what_the_precision_probe_timed_when_its_checkpoint_kept_it():
     run = {"trained_precision": "fp32", "precision_probe_ms": {"fp32": 361.4, "bf16": 1486.0}}
     assert bench_quality.probe_text(run) == (
-        " (precision auto's start-up probe: 361 ms a step in fp32, 1,486 in bf16)"
+        " (precision auto's start-up probe, a step: 361 ms in fp32, 1,486 ms in bf16)"
     )
     assert bench_quality.probe_text({**run, "precision_probe_ms": {}}) == ""
     assert bench_quality.probe_text({"trained_precision": "fp32"}) == ""  # older rows

@@ -174,14 +174,16 @@ class Trainer:
         self.valid_refs = read_split(cfg.data, "valid")[1] if bleu else None  # raw text, for BLEU
         self.model = build_model(cfg, self.tokenizer, parent).to(self.device)
         kernel_for = attention_chooser(self.model, tc, self.device, resumed)
-        self.probe_ms: dict[str, float] = {}  # precision auto's timings, when it measures here
+        probe_ms: dict[str, float] = {}  # precision auto's timings, when it measures here
         self.precision = set_up_precision(
-            self.model, tc, self.dist, self.device, resumed, kernel_for, self.probe_ms
+            self.model, tc, self.dist, self.device, resumed, kernel_for, probe_ms
         )
         self.attention = kernel_for(self.precision)
         self.forward = training_forward(self.model, tc, self.dist, self.device)
         self.chunked_loss = chunked_loss(tc, self.device)
-        self.state, self.writer = TrainState(), NullWriter()  # the event log opens in _start
+        # a resumed run's state replaces this one (_restore), its own probe timings with it
+        self.state = TrainState(precision_probe_ms=probe_ms)
+        self.writer = NullWriter()  # the event log opens in _start
         self.optimizer, self.scheduler = build_optimizer(
             self.model,
             tc,
@@ -330,8 +332,6 @@ class Trainer:
         GFLOP/s."""
         tc, main, self.state.precision = self.cfg.train, self.dist.main, self.precision
         self.state.attention = self.attention
-        if self.probe_ms:  # measured now (a resumed run keeps its own)
-            self.state.precision_probe_ms = dict(self.probe_ms)
         if not self.state.cooldown_end:  # by steps; the time budget may move it earlier
             self.state.cooldown_start, self.state.cooldown_end = cooldown_by_steps(tc)
         if not (self.state.warmup or tc.warmup_share and tc.max_minutes):
