@@ -58,14 +58,21 @@ def reversal(tmp_path_factory) -> Path:
 
 
 def reversal_run(
-    make_tiny_run, corpus: Path, *, norm: str, tie: bool, joint: bool, steps: int = 40
+    make_tiny_run,
+    corpus: Path,
+    *,
+    norm: str,
+    tie: bool,
+    joint: bool,
+    steps: int = 40,
+    activation: str = "relu",
 ) -> Path:
     """A small model trained for 40 updates on the reversal task: not converged, so its
     distributions are spread and any difference between the engines shows (more `steps`: one that
     has learned the task). Built once per test run (conftest.py: make_tiny_run)."""
     return make_tiny_run(
         corpus,
-        model={**REVERSAL["model"], "norm": norm, "tie_embeddings": tie},
+        model={**REVERSAL["model"], "norm": norm, "tie_embeddings": tie, "activation": activation},
         tokenizer={"joint": joint},
         train={**REVERSAL["train"], "max_steps": steps, "valid_every": steps},
         decode=REVERSAL["decode"],
@@ -73,13 +80,20 @@ def reversal_run(
 
 
 @pytest.mark.parametrize(
-    "norm, tie, joint",
-    [("pre", True, True), ("post", False, False), ("pre", False, True), ("post", True, False)],
+    "norm, tie, joint, activation",
+    [
+        ("pre", True, True, "relu"),
+        ("post", False, False, "relu"),
+        ("pre", False, True, "relu"),
+        ("post", True, False, "gelu"),
+    ],
 )
 def test_float32_export_decodes_and_scores_as_ours(
-    make_tiny_run, reversal, tmp_path, norm, tie, joint
+    make_tiny_run, reversal, tmp_path, norm, tie, joint, activation
 ):
-    run = reversal_run(make_tiny_run, reversal, norm=norm, tie=tie, joint=joint)
+    run = reversal_run(
+        make_tiny_run, reversal, norm=norm, tie=tie, joint=joint, activation=activation
+    )
     out = export_ctranslate2(run, tmp_path / "ct2", "float32")
     ours = load_translator(run, device="cpu", precision="fp32")
     theirs = load_translator(out, engine="ctranslate2", device="cpu")
@@ -501,3 +515,9 @@ def test_a_scale_norm_model_is_refused_by_name():
     """CTranslate2's Transformer has LayerNorm (gamma, beta) only: ScaleNorm would be lost."""
     with pytest.raises(ExportError, match="model.norm_type"):
         export.model_spec(ctranslate2, tiny_model(norm_type="scale"), tokenizer=None)
+
+
+def test_a_gated_feed_forward_is_refused_by_name():
+    """Our swiglu's weights are not mapped onto CTranslate2's gated layer: refused, not lost."""
+    with pytest.raises(ExportError, match="model.activation"):
+        export.model_spec(ctranslate2, tiny_model(activation="swiglu"), tokenizer=None)

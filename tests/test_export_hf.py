@@ -27,9 +27,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 STEPS = 200
 
 
-def small_run(make_tiny_run, *, norm: str, tie: bool, joint: bool) -> Path:
+def small_run(
+    make_tiny_run, *, norm: str, tie: bool, joint: bool, activation: str = "relu"
+) -> Path:
     return make_tiny_run(
-        model={"norm": norm, "tie_embeddings": tie, "dropout": 0.0},
+        model={"norm": norm, "tie_embeddings": tie, "dropout": 0.0, "activation": activation},
         tokenizer={"joint": joint},
         train={"max_steps": STEPS, "valid_every": STEPS, "valid_bleu": False},
     ).dir
@@ -60,9 +62,12 @@ def hf_logprobs(model, src: list[int], tgt: list[int]) -> list[float]:
     return logp[torch.arange(len(tgt) + 1), torch.tensor(tgt + [EOS])].tolist()
 
 
-@pytest.mark.parametrize("tie, joint", [(True, True), (False, True), (True, False), (False, False)])
-def test_export_generates_and_scores_as_ours(make_tiny_run, tmp_path, tie, joint):
-    run = small_run(make_tiny_run, norm="post", tie=tie, joint=joint)
+@pytest.mark.parametrize(
+    "tie, joint, activation",
+    [(True, True, "relu"), (False, True, "relu"), (True, False, "relu"), (False, False, "gelu")],
+)
+def test_export_generates_and_scores_as_ours(make_tiny_run, tmp_path, tie, joint, activation):
+    run = small_run(make_tiny_run, norm="post", tie=tie, joint=joint, activation=activation)
     out = export(run, tmp_path / "hf")
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
@@ -133,3 +138,9 @@ def test_a_scale_norm_model_is_refused_by_name():
     """Marian has LayerNorm only: a ScaleNorm model would not export as itself."""
     with pytest.raises(UserError, match="model.norm_type"):
         marian_model(transformers, tiny_model(norm_type="scale"), tokenizer=None)
+
+
+def test_a_gated_feed_forward_is_refused_by_name():
+    """Marian's feed-forward layer has no gate: a swiglu model would not export as itself."""
+    with pytest.raises(UserError, match="model.activation"):
+        marian_model(transformers, tiny_model(activation="swiglu"), tokenizer=None)

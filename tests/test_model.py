@@ -109,6 +109,7 @@ def reference_transformer(model: Transformer, norm: str) -> nn.Transformer:
         cfg.decoder_layers,
         cfg.d_ff,
         dropout=0.0,
+        activation=cfg.activation,
         batch_first=True,
         norm_first=norm == "pre",
     ).eval()
@@ -141,10 +142,10 @@ def reference_transformer(model: Transformer, norm: str) -> nn.Transformer:
     return ref
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_encoder_decoder_matches_nn_transformer(gen, norm):
+@pytest.mark.parametrize("norm, activation", [("post", "relu"), ("pre", "relu"), ("post", "gelu")])
+def test_encoder_decoder_matches_nn_transformer(gen, norm, activation):
     torch.manual_seed(0)
-    model = Transformer(small_cfg(norm=norm), V, V, joint_vocab=True).eval()
+    model = Transformer(small_cfg(norm=norm, activation=activation), V, V, joint_vocab=True).eval()
     # Perturb the LayerNorm parameters so that copying them is actually tested.
     with torch.no_grad():
         for m in model.modules():
@@ -187,6 +188,21 @@ def test_bf16_output_layer_keeps_the_rest_fp32_and_agrees_with_fp32(gen):
     for n, p in model.named_parameters():
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad, ref_grads[n], atol=2e-3, rtol=0.05, msg=n)
+
+
+def test_swiglu_is_the_gated_product_of_shazeer_2020(gen):
+    """FFN_SwiGLU(x) = (Swish(xW) * xV) W2, each product with its bias, written out here from the
+    paper's formula; W and V are the two halves of our one input projection."""
+    ff = Transformer(small_cfg(activation="swiglu"), V, V, joint_vocab=True).encoder.layers[0].ff
+    x = torch.randn(3, 5, D, generator=gen)
+    (W, V_), (b, c) = ff.w1.weight.split(FF), ff.w1.bias.split(FF)
+    xw, xv = x @ W.T + b, x @ V_.T + c  # (3, 5, FF) each
+    want = (xw * torch.sigmoid(xw) * xv) @ ff.w2.weight.T + ff.w2.bias
+    torch.testing.assert_close(ff(x), want, atol=1e-5, rtol=1e-5)
+    # d_ff is the gate's width: one more (d_model + 1) x d_ff product than relu's
+    relu = Transformer(small_cfg(), V, V, joint_vocab=True).num_parameters()
+    swiglu = Transformer(small_cfg(activation="swiglu"), V, V, joint_vocab=True).num_parameters()
+    assert swiglu - relu == (2 + 2) * (D + 1) * FF
 
 
 def test_parameter_count_matches_formula():

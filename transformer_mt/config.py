@@ -136,6 +136,9 @@ class ModelConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
+    # The feed-forward layer's non-linearity: relu (the paper's), gelu, or swiglu, the gated
+    # Swish(xW) * xV of Shazeer (2020), with d_ff the width of each of its two input projections
+    activation: Literal["relu", "gelu", "swiglu"] = "relu"
     norm: Literal["post", "pre"] = "post"  # post: the paper's LayerNorm(x + Sublayer(x))
     # layer: LayerNorm; scale: ScaleNorm, g * x / ||x|| with one learned g (Nguyen & Salazar, 2019)
     norm_type: Literal["layer", "scale"] = "layer"

@@ -238,12 +238,17 @@ def model_spec(ct2: Any, model: Transformer, tokenizer: Tokenizer) -> Any:
             "CTranslate2 exports LayerNorm models only (model.norm_type: layer): its Transformer "
             "has no ScaleNorm"
         )
+    if cfg.activation == "swiglu":
+        raise ExportError(
+            "CTranslate2 export takes model.activation relu or gelu, not swiglu: the gated "
+            "layer's weights are not mapped onto its spec"
+        )
     specs = ct2.specs
     spec = specs.TransformerSpec.from_config(
         (cfg.encoder_layers, cfg.decoder_layers),
         cfg.heads,
         pre_norm=cfg.norm == "pre",
-        activation=specs.Activation.RELU,
+        activation=specs.Activation.GELU if cfg.activation == "gelu" else specs.Activation.RELU,
     )
     # (P, d): ours interleave sin and cos, so CTranslate2 gets the table
     positions = model.pos.pe.numpy()

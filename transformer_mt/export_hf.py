@@ -89,7 +89,7 @@ def marian_config(tf: Any, model: Transformer, tokenizer: Tokenizer) -> Any:
         encoder_ffn_dim=c.d_ff,
         decoder_ffn_dim=c.d_ff,
         max_position_embeddings=c.max_positions,
-        activation_function="relu",
+        activation_function=c.activation,
         dropout=c.dropout,
         attention_dropout=c.attention_dropout,
         activation_dropout=c.activation_dropout,
@@ -133,6 +133,11 @@ def marian_model(tf: Any, model: Transformer, tokenizer: Tokenizer) -> Any:
         raise ExportError(
             "--format transformers exports LayerNorm models only (model.norm_type: layer): "
             "Marian has no ScaleNorm"
+        )
+    if model.cfg.activation == "swiglu":
+        raise ExportError(
+            "--format transformers exports model.activation relu or gelu, not swiglu: Marian's "
+            "feed-forward layer has no gate"
         )
     d = model.cfg.d_model
     if d % 2:

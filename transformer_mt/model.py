@@ -211,16 +211,28 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise feed-forward network FFN(x) = max(0, xW1 + b1)W2 + b2 (Sec. 3.3, Eq. 2)."""
+    """Position-wise feed-forward network FFN(x) = max(0, xW1 + b1)W2 + b2 (Sec. 3.3, Eq. 2); with
+    `activation` gelu, GELU for the max; with swiglu, (Swish(xW1) * xV)W2 (Shazeer, 2020), whose W1
+    and V are one (d_model, 2 d_ff) product."""
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0):
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu"):
         super().__init__()
-        self.w1 = nn.Linear(d_model, d_ff)
+        self.activation = activation
+        gated = 2 if activation == "swiglu" else 1
+        self.w1 = nn.Linear(d_model, gated * d_ff)
         self.w2 = nn.Linear(d_ff, d_model)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.dropout(F.relu(self.w1(x))))
+        h = self.w1(x)  # (B, T, d_ff), or (B, T, 2 d_ff) for swiglu
+        if self.activation == "swiglu":
+            a, v = h.chunk(2, dim=-1)
+            h = F.silu(a) * v  # (B, T, d_ff)
+        elif self.activation == "gelu":
+            h = F.gelu(h)
+        else:
+            h = F.relu(h)
+        return self.w2(self.dropout(h))
 
 
 class EncoderLayer(nn.Module):
@@ -229,7 +241,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
-        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
         self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
         self.dropout = Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
@@ -253,7 +265,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn = MultiHeadAttention(
             cfg.d_model, cfg.heads, cfg.attention_dropout, cross=True
         )
-        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
         self.norm1, self.norm2, self.norm3 = (make_norm(cfg) for _ in range(3))
         self.dropout = Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
