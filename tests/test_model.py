@@ -199,10 +199,11 @@ def test_swiglu_is_the_gated_product_of_shazeer_2020(gen):
     xw, xv = x @ W.T + b, x @ V_.T + c  # (3, 5, FF) each
     want = (xw * torch.sigmoid(xw) * xv) @ ff.w2.weight.T + ff.w2.bias
     torch.testing.assert_close(ff(x), want, atol=1e-5, rtol=1e-5)
-    # d_ff is the gate's width: one more (d_model + 1) x d_ff product than relu's
-    relu = Transformer(small_cfg(), V, V, joint_vocab=True).num_parameters()
+    # d_ff is the gate's width: each layer has one more (d_model + 1) x d_ff product than relu's
+    cfg = small_cfg()
+    relu = Transformer(cfg, V, V, joint_vocab=True).num_parameters()
     swiglu = Transformer(small_cfg(activation="swiglu"), V, V, joint_vocab=True).num_parameters()
-    assert swiglu - relu == (2 + 2) * (D + 1) * FF
+    assert swiglu - relu == (cfg.encoder_layers + cfg.decoder_layers) * (D + 1) * FF
 
 
 def test_parameter_count_matches_formula():
@@ -356,13 +357,14 @@ def test_dropout_rate_is_exact_not_rounded_to_256ths(p):
     assert dropped / n == pytest.approx(p, rel=0.005)
 
 
-def test_train_flops_matches_pytorch_flop_counter(gen):
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+def test_train_flops_matches_pytorch_flop_counter(gen, activation):
     """Without padding, our analytic count equals torch's FlopCounterMode on the forward pass (x3
     for training) for every matrix multiply; the counter does not see the CPU attention kernel, so
     the attention terms are added here by hand: QK^T and AV cost 2*2*d per query-key pair."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg = small_cfg(encoder_layers=2, decoder_layers=3)
+    cfg = small_cfg(encoder_layers=2, decoder_layers=3, activation=activation)
     model = Transformer(cfg, V, V, joint_vocab=True).eval()
     B, S, T = 4, 9, 7
     src, tgt = random_ids(B, S, [S] * B, gen), random_ids(B, T, [T] * B, gen)

@@ -491,13 +491,14 @@ class Transformer(nn.Module):
         weighted sums (the causal half for decoder self-attention); training = 3 x forward.
         """
         c = self.cfg
-        d, ff, vocab = c.d_model, c.d_ff, self.generator.out_features
+        d, vocab = c.d_model, self.generator.out_features
+        ffn = (3 if c.activation == "swiglu" else 2) * 2 * d * c.d_ff  # its products' FLOPs a token
         s_len = (src != PAD).sum(1).double()  # (B,)
         t_len = (tgt_out != PAD).sum(1).double()
         S, T = s_len.sum().item(), t_len.sum().item()
-        fwd = c.encoder_layers * (S * (8 * d * d + 4 * d * ff) + (4 * d * s_len**2).sum().item())
+        fwd = c.encoder_layers * (S * (8 * d * d + ffn) + (4 * d * s_len**2).sum().item())
         fwd += c.decoder_layers * (
-            T * (12 * d * d + 4 * d * ff)
+            T * (12 * d * d + ffn)
             + S * 4 * d * d
             + (2 * d * t_len * (t_len + 1)).sum().item()
             + (4 * d * t_len * s_len).sum().item()
