@@ -492,7 +492,10 @@ class Transformer(nn.Module):
         """
         c = self.cfg
         d, vocab = c.d_model, self.generator.out_features
-        ffn = (3 if c.activation == "swiglu" else 2) * 2 * d * c.d_ff  # its products' FLOPs a token
+        # The feed-forward's FLOPs a token, from its weights' shapes (all layers' are alike), so
+        # swiglu's third product counts without a case of its own
+        ff = self.encoder.layers[0].ff
+        ffn = 2 * (ff.w1.weight.numel() + ff.w2.weight.numel())
         s_len = (src != PAD).sum(1).double()  # (B,)
         t_len = (tgt_out != PAD).sum(1).double()
         S, T = s_len.sum().item(), t_len.sum().item()
