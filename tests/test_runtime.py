@@ -435,6 +435,37 @@ def test_the_math_kernel_computes_what_the_fused_one_does():
             torch.testing.assert_close(math_, fused)
 
 
+def test_the_math_kernel_keeps_bf16_attention_in_bf16_and_restores_the_flag():
+    """attention_kernel("math") without SDPA's default fp32 upcast (runtime.math_attention): on bf16
+    inputs its forward and backward cast no tensor, where the default math kernel casts them
+    (the count this test would catch coming back); it computes Eq. 1 to bf16's rounding; and the
+    process-wide flag is as it was before."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 2, 7, 8).unbind(0)  # (B, H, T, d_k) each
+    grad = torch.randn(4, 2, 7, 8)
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # fp32
+
+    def run(context):
+        q_, k_, v_ = (x.bfloat16().requires_grad_() for x in (q, k, v))
+        grad_ = grad.bfloat16()
+        with torch.profiler.profile(record_shapes=True) as prof:
+            with context:
+                out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+            out.backward(grad_)
+        casts = prof.key_averages(group_by_input_shape=True)  # of tensors, not of the scale
+        copies = sum(e.count for e in casts if e.key == "aten::_to_copy" and e.input_shapes[0])
+        return out, q_.grad, copies
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    out, q_grad, copies = run(runtime.attention_kernel("math"))
+    assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == before
+    assert copies == 0 and out.dtype == q_grad.dtype == torch.bfloat16
+    assert run(sdpa_kernel(SDPBackend.MATH))[2] > 0  # the default upcasts
+    torch.testing.assert_close(out.float(), reference, atol=0.02, rtol=0.02)
+
+
 def test_attention_is_timed_only_for_auto_on_a_cpu_and_a_resumed_run_keeps_its_kernel(
     monkeypatch,
 ):

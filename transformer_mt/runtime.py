@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -269,7 +269,23 @@ ATTENTION_KERNELS = ("fused", "math")
 def attention_kernel(kernel: str) -> contextlib.AbstractContextManager:
     """The context in which F.scaled_dot_product_attention runs `kernel` (one of
     ATTENTION_KERNELS); its backward follows the forward's choice."""
-    return sdpa_kernel(SDPBackend.MATH) if kernel == "math" else contextlib.nullcontext()
+    return math_attention() if kernel == "math" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def math_attention() -> Iterator[None]:
+    """SDPA's math kernel, in its inputs' precision. By default it casts bf16 (and fp16) queries,
+    keys and values to fp32 and its output back, nine casts a call with their gradients'. Without
+    them it runs as autocast runs the rest of the model: bf16 matmuls with fp32 accumulation, the
+    softmax computed in fp32 and stored in bf16. No effect on fp32 inputs. The flag is
+    process-wide; its previous value comes back."""
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
 
 
 def choose_cpu_attention(
