@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt import prepare, runtime
 from transformer_mt.runtime import fastest_cpu_precision, minor_faults
@@ -455,8 +456,6 @@ def test_the_math_kernel_keeps_bf16_attention_in_bf16_and_restores_the_flag():
         casts = prof.key_averages(group_by_input_shape=True)  # of tensors, not of the scale
         copies = sum(e.count for e in casts if e.key == "aten::_to_copy" and e.input_shapes[0])
         return out, q_.grad, copies
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     out, q_grad, copies = run(runtime.attention_kernel("math"))
