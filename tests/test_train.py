@@ -595,6 +595,34 @@ def test_fused_and_foreach_adam_make_the_same_updates():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_weight_decay_is_an_l2_penalty_or_adamws_shrink(decoupled):
+    """With no gradient at all, AdamW's decay (decoupled) shrinks every weight by the factor
+    1 - lr x weight_decay (Loshchilov & Hutter, 2019, Alg. 2), while an L2 penalty becomes the
+    gradient g = wd x w, which Adam's first bias-corrected step normalises to lr x g / (|g| + eps),
+    about lr x sign(w) (Kingma & Ba, Alg. 1)."""
+    from transformer_mt.config import ModelConfig, TrainConfig
+    from transformer_mt.model import Transformer
+    from transformer_mt.optim import build_optimizer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32)
+    model = Transformer(cfg, 11, 11, joint_vocab=True)
+    tc = TrainConfig(warmup=4, lr_factor=1.0, weight_decay=0.1, decoupled_weight_decay=decoupled)
+    optimizer, _ = build_optimizer(model, tc, torch.device("cpu"))
+    lr = optimizer.param_groups[0]["lr"]
+    assert lr == pytest.approx(noam(1, 16, 4, 1.0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        w = before[name]
+        g = 0.1 * w
+        expected = w * (1 - lr * 0.1) if decoupled else w - lr * g / (g.abs() + tc.adam_eps)
+        torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_a_resume_keeps_adams_state_and_runs_this_machines_implementation(copy_config, tmp_path):
     """A checkpoint written by a foreach Adam (every run before fused CPUs, or another machine)
     resumes with its moments but runs the implementation chosen here."""

@@ -194,6 +194,9 @@ class TrainConfig:
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
+    # false: an L2 penalty (weight_decay x w joins the gradient, so Adam rescales it); true: AdamW's
+    # decay (Loshchilov & Hutter, 2019; fairseq's Adam): each update shrinks w by lr x weight_decay.
+    decoupled_weight_decay: bool = False
     label_smoothing: float = 0.1
     # Word dropout (Sennrich et al., 2016; Sennrich & Zhang, 2019): while training, each source
     # token and each decoder-input token becomes <unk> at this rate; 0 = off. Labels stay intact.

@@ -141,6 +141,7 @@ def build_optimizer(
         betas=tc.adam_betas,
         eps=tc.adam_eps,
         weight_decay=tc.weight_decay,
+        decoupled_weight_decay=tc.decoupled_weight_decay,
         **adam_implementation(device),
     )
     # LambdaLR counts from 0 before the first update; update number s uses noam(s).
