@@ -6,16 +6,23 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_model
 
 from transformer_mt import model as model_module
 from transformer_mt import train as train_module
 from transformer_mt.checkpoint import load_for_inference, validation_score
-from transformer_mt.config import config_from_dict
+from transformer_mt.config import TrainConfig, config_from_dict
 from transformer_mt.data import collate, read_split
 from transformer_mt.errors import TrainingDiverged
 from transformer_mt.inference import Translator
 from transformer_mt.model import chunked_output_loss, label_smoothed_loss, symmetric_kl
-from transformer_mt.optim import cooldown_by_steps, cooldown_factor, noam, noam_ramp
+from transformer_mt.optim import (
+    build_optimizer,
+    cooldown_by_steps,
+    cooldown_factor,
+    noam,
+    noam_ramp,
+)
 from transformer_mt.train import Stop, Trainer, TrainState, limits_reached
 from transformer_mt.vocab import PAD, UNK
 
@@ -205,7 +212,6 @@ def test_every_limit_that_fires_is_named_and_the_first_is_why_the_run_stopped():
     """max_steps, the end of a cooldown by steps and the time budget can all fire at one update:
     max_steps takes precedence (the summary's text that users and scripts/sweep.py read), the
     others are still named."""
-    from transformer_mt.config import TrainConfig
 
     tc = TrainConfig(max_steps=10, max_minutes=1.5, cooldown=0.4)
     at_end = TrainState(step=10, cooldown_start=6, cooldown_end=10)
@@ -601,13 +607,8 @@ def test_weight_decay_is_an_l2_penalty_or_adamws_shrink(decoupled):
     1 - lr x weight_decay (Loshchilov & Hutter, 2019, Alg. 2), while an L2 penalty becomes the
     gradient g = wd x w, which Adam's first bias-corrected step normalises to lr x g / (|g| + eps),
     about lr x sign(w) (Kingma & Ba, Alg. 1)."""
-    from transformer_mt.config import ModelConfig, TrainConfig
-    from transformer_mt.model import Transformer
-    from transformer_mt.optim import build_optimizer
-
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32)
-    model = Transformer(cfg, 11, 11, joint_vocab=True)
+    model = tiny_model()
     tc = TrainConfig(warmup=4, lr_factor=1.0, weight_decay=0.1, decoupled_weight_decay=decoupled)
     optimizer, _ = build_optimizer(model, tc, torch.device("cpu"))
     lr = optimizer.param_groups[0]["lr"]
