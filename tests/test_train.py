@@ -624,6 +624,33 @@ def test_weight_decay_is_an_l2_penalty_or_adamws_shrink(decoupled):
         torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_weight_decay_can_spare_norm_gains_and_biases():
+    """With decay_norms_and_biases off, AdamW's shrink (no gradient) reaches the weight matrices
+    and embeddings only: LayerNorm gains and biases and the linear layers' biases stay put."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    tc = TrainConfig(
+        warmup=4,
+        lr_factor=1.0,
+        weight_decay=0.1,
+        decoupled_weight_decay=True,
+        decay_norms_and_biases=False,
+    )
+    optimizer, _ = build_optimizer(model, tc, torch.device("cpu"))
+    lr = optimizer.param_groups[0]["lr"]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    kinds = set()
+    for name, p in model.named_parameters():
+        spared = name.endswith(".bias") or ".norm" in name  # norm1.weight, ...bias
+        kinds.add(spared)
+        expected = before[name] if spared else before[name] * (1 - lr * 0.1)
+        torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=1e-5, msg=name)
+    assert kinds == {True, False}  # the model has both kinds
+
+
 def test_a_resume_keeps_adams_state_and_runs_this_machines_implementation(copy_config, tmp_path):
     """A checkpoint written by a foreach Adam (every run before fused CPUs, or another machine)
     resumes with its moments but runs the implementation chosen here."""

@@ -135,8 +135,13 @@ def build_optimizer(
     factor of the plan that `cooldown()` returns (start, end) when the lr is computed; the peak is
     reached after what `warmup()` returns then (default: train.warmup; noam_ramp)."""
     warmup = warmup or (lambda: tc.warmup)
+    params: list[Any] = list(model.parameters())
+    if tc.weight_decay and not tc.decay_norms_and_biases:
+        matrices = [p for p in params if p.ndim >= 2]
+        vectors = [p for p in params if p.ndim < 2]  # norm gains and biases, linear biases
+        params = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0}]
     optimizer = torch.optim.Adam(
-        model.parameters(),
+        params,
         lr=1.0,
         betas=tc.adam_betas,
         eps=tc.adam_eps,
