@@ -601,34 +601,38 @@ def test_fused_and_foreach_adam_make_the_same_updates():
         torch.testing.assert_close(a, b)
 
 
+def _one_update_without_gradient(tc):
+    """The first update's lr and a tiny model's weights before and after one step of
+    build_optimizer's Adam with every gradient zero: what moves them is weight decay alone."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    optimizer, _ = build_optimizer(model, tc, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return optimizer.param_groups[0]["lr"], before, after
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_weight_decay_is_an_l2_penalty_or_adamws_shrink(decoupled):
     """With no gradient at all, AdamW's decay (decoupled) shrinks every weight by the factor
     1 - lr x weight_decay (Loshchilov & Hutter, 2019, Alg. 2), while an L2 penalty becomes the
     gradient g = wd x w, which Adam's first bias-corrected step normalises to lr x g / (|g| + eps),
     about lr x sign(w) (Kingma & Ba, Alg. 1)."""
-    torch.manual_seed(0)
-    model = tiny_model()
     tc = TrainConfig(warmup=4, lr_factor=1.0, weight_decay=0.1, decoupled_weight_decay=decoupled)
-    optimizer, _ = build_optimizer(model, tc, torch.device("cpu"))
-    lr = optimizer.param_groups[0]["lr"]
+    lr, before, after = _one_update_without_gradient(tc)
     assert lr == pytest.approx(noam(1, 16, 4, 1.0))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for name, p in model.named_parameters():
-        w = before[name]
+    for name, w in before.items():
         g = 0.1 * w
         expected = w * (1 - lr * 0.1) if decoupled else w - lr * g / (g.abs() + tc.adam_eps)
-        torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(after[name], expected, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_weight_decay_can_spare_norm_gains_and_biases():
     """With decay_norms_and_biases off, AdamW's shrink (no gradient) reaches the weight matrices
     and embeddings only: LayerNorm gains and biases and the linear layers' biases stay put."""
-    torch.manual_seed(0)
-    model = tiny_model()
     tc = TrainConfig(
         warmup=4,
         lr_factor=1.0,
@@ -636,18 +640,13 @@ def test_weight_decay_can_spare_norm_gains_and_biases():
         decoupled_weight_decay=True,
         decay_norms_and_biases=False,
     )
-    optimizer, _ = build_optimizer(model, tc, torch.device("cpu"))
-    lr = optimizer.param_groups[0]["lr"]
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
+    lr, before, after = _one_update_without_gradient(tc)
     kinds = set()
-    for name, p in model.named_parameters():
+    for name, w in before.items():
         spared = name.endswith(".bias") or ".norm" in name  # norm1.weight, ...bias
         kinds.add(spared)
-        expected = before[name] if spared else before[name] * (1 - lr * 0.1)
-        torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=1e-5, msg=name)
+        expected = w if spared else w * (1 - lr * 0.1)
+        torch.testing.assert_close(after[name], expected, atol=1e-6, rtol=1e-5, msg=name)
     assert kinds == {True, False}  # the model has both kinds
 
 

@@ -197,8 +197,9 @@ class TrainConfig:
     # false: an L2 penalty (weight_decay x w joins the gradient, so Adam rescales it); true: AdamW's
     # decay (Loshchilov & Hutter, 2019; fairseq's Adam): each update shrinks w by lr x weight_decay.
     decoupled_weight_decay: bool = False
-    # false: LayerNorm gains and biases and every bias (the 1-D tensors) are not decayed, as in
-    # BERT's and GPT's recipes, only the matrices (embeddings included); true: every weight is.
+    # false: norm gains and biases and every bias (the tensors of under two dimensions) are not
+    # decayed, as in BERT's and GPT's recipes, only the matrices (embeddings included); true:
+    # all are.
     decay_norms_and_biases: bool = True
     label_smoothing: float = 0.1
     # Word dropout (Sennrich et al., 2016; Sennrich & Zhang, 2019): while training, each source

@@ -135,13 +135,14 @@ def build_optimizer(
     factor of the plan that `cooldown()` returns (start, end) when the lr is computed; the peak is
     reached after what `warmup()` returns then (default: train.warmup; noam_ramp)."""
     warmup = warmup or (lambda: tc.warmup)
-    params: list[Any] = list(model.parameters())
+    params = list(model.parameters())
+    groups: list[Any] = params
     if tc.weight_decay and not tc.decay_norms_and_biases:
-        matrices = [p for p in params if p.ndim >= 2]
+        matrices = [p for p in params if p.ndim >= 2]  # projections and the embeddings
         vectors = [p for p in params if p.ndim < 2]  # norm gains and biases, linear biases
-        params = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0}]
+        groups = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0}]
     optimizer = torch.optim.Adam(
-        params,
+        groups,
         lr=1.0,
         betas=tc.adam_betas,
         eps=tc.adam_eps,
