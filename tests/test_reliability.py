@@ -118,6 +118,19 @@ def test_resume_with_another_model_config_says_so(tmp_path, capsys):
     assert "model.d_ff" in capsys.readouterr().err
 
 
+def test_resume_that_changes_which_weights_decay_names_the_key(tmp_path, capsys):
+    """Sparing the 1-D weights from decay adds an Adam parameter group, so a resume that flips
+    train.decay_norms_and_biases cannot load the saved optimizer: one line naming the key, exit
+    2."""
+    corpus = write_corpus(tmp_path / "corpus")
+    cfg = write_config(tmp_path / "w.yaml", corpus, tmp_path / "w", max_steps=10)
+    assert main(["-q", "train", str(cfg), "--set", "train.weight_decay=0.1"]) == 0
+    capsys.readouterr()
+    flipped = ["--set", "train.weight_decay=0.1", "--set", "train.decay_norms_and_biases=false"]
+    assert main(["-q", "train", str(cfg), "--resume", *flipped]) == 2
+    assert "train.decay_norms_and_biases" in capsys.readouterr().err
+
+
 def test_resume_from_an_averaged_checkpoint_names_the_file_that_resumes(tmp_path, capsys):
     """Issue 22, item 8: best.pt (when the average won) and averaged.pt hold weights only: --resume
     on them was a KeyError traceback; now one line naming checkpoints/last.pt, exit 2."""

@@ -364,6 +364,13 @@ def restore_training(
     ckpt = ckpt if ckpt is not None else load_checkpoint(path, map_location=device)
     check_resumable(ckpt, path, cfg, tokenizer, run_dir)
     model.load_state_dict(ckpt["model"])
+    saved, groups = len(ckpt["optimizer"]["param_groups"]), len(optimizer.param_groups)
+    if saved != groups:  # build_optimizer makes a second group only to spare the 1-D weights
+        raise CheckpointError(
+            f"cannot resume from {path}: its Adam has {saved} parameter group(s), this config's "
+            f"{groups}: train.decay_norms_and_biases (with train.weight_decay) must stay as the "
+            "run began"
+        )
     # Adam's state carries over; how it runs (fused or foreach) stays this machine's choice.
     implementation = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
     optimizer.load_state_dict(ckpt["optimizer"])
