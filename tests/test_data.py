@@ -725,3 +725,9 @@ def test_bidirectional_training_needs_a_joint_vocabulary():
         config_from_dict({"tokenizer": {"joint": False}, "train": {"bidirectional_epochs": 2}})
     with pytest.raises(ConfigError, match=r"train\.bidirectional_epochs"):
         TrainConfig(bidirectional_epochs=-1)
+    with pytest.raises(ConfigError, match=r"train\.bidirectional_share.*tokenizer\.joint"):
+        config_from_dict({"tokenizer": {"joint": False}, "train": {"bidirectional_share": 0.3}})
+    with pytest.raises(ConfigError, match=r"train\.bidirectional_share"):
+        TrainConfig(bidirectional_share=1.0)
+    with pytest.raises(ConfigError, match=r"train\.bidirectional_share.*set one"):
+        TrainConfig(bidirectional_share=0.3, bidirectional_epochs=2)

@@ -329,6 +329,56 @@ def test_warmup_is_planned_again_until_it_ends(copy_config, monkeypatch):
 
 
 @pytest.mark.slow
+def tokens_by_epoch(monkeypatch, trainer) -> tuple[dict[int, int], list[int]]:
+    """Run trainer.train(); the target tokens trained in each epoch, and each update's epoch."""
+    tokens: dict[int, int] = {}
+    epochs, step = [], trainer.train_step
+
+    def recording(micro, global_tokens=None):
+        epochs.append(trainer.state.epoch)  # the stream is at the epoch of the batch it gave
+        tokens[epochs[-1]] = tokens.get(epochs[-1], 0) + global_tokens
+        return step(micro, global_tokens)
+
+    monkeypatch.setattr(trainer, "train_step", recording)
+    trainer.train()
+    return tokens, epochs
+
+
+def test_bidirectional_share_of_the_time_budget_ends_with_the_epoch_under_way(
+    copy_config, tmp_path, monkeypatch
+):
+    """A clock of 10 updates a minute, a 4-minute budget, bidirectional_share 0.25: the share is
+    spent at update 10. The epoch under way then is the last trained both ways: in the copy task a
+    reversed pair is the pair itself, so each epoch up to it trains exactly twice the target tokens
+    of a complete later one."""
+    cfg = lambda: copy_config(  # noqa: E731
+        max_steps=1000, max_minutes=4.0, bidirectional_share=0.25, max_tokens=256
+    )
+    trainer = Trainer(cfg())
+    monkeypatch.setattr(Trainer, "minutes", lambda self: self.state.step / 10)
+    tokens, epochs = tokens_by_epoch(monkeypatch, trainer)
+    assert len(epochs) == 40
+    last_both_ways = epochs[9]  # the epoch of update 10
+    complete_one_way = range(last_both_ways + 1, epochs[-1])  # the last is cut by the budget
+    assert len(complete_one_way) >= 1
+    one_way = tokens[complete_one_way[0]]
+    assert all(tokens[e] == one_way for e in complete_one_way)
+    assert all(tokens[e] == 2 * one_way for e in range(1, last_both_ways + 1))
+    # Where it ended is part of the checkpoint: a resumed run streams one way from there.
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["train_state"]["bidirectional_until"] == last_both_ways
+    assert Trainer(cfg(), resume=True).batches.bidirectional_until == last_both_ways
+
+
+def test_bidirectional_share_without_a_time_budget_is_a_share_of_max_steps(
+    copy_config, monkeypatch
+):
+    trainer = Trainer(copy_config(max_steps=30, bidirectional_share=0.5, max_tokens=256))
+    tokens, epochs = tokens_by_epoch(monkeypatch, trainer)
+    assert trainer.state.bidirectional_until == epochs[14]  # the epoch of update 15
+    assert epochs[-1] > epochs[14]
+
+
 def test_tiny_copy_task_is_learned_exactly(copy_config):
     # No label smoothing: it keeps probability off the one right answer that this task has. The last
     # 30% of the updates anneal the lr to ~0 (train.cooldown): without it the run ended at lr 4e-3

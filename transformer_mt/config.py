@@ -216,6 +216,11 @@ class TrainConfig:
     # reversed (target -> source), so they hold twice the pairs; later epochs the given direction
     # alone. Needs tokenizer.joint (both directions share one vocabulary). 0 = off.
     bidirectional_epochs: int = 0
+    # The same for the first share of the training budget instead of a count of epochs: of
+    # max_minutes when set (else of max_steps); the epoch under way when the share is reached is
+    # the last trained both ways. A CPU that holds fewer epochs in the hour keeps the split of the
+    # budget. 0 = off; not with bidirectional_epochs.
+    bidirectional_share: float = 0.0
     clip_norm: float = 1.0  # 0 disables gradient clipping
     log_every: int = 50
     valid_every: int = 1000
@@ -277,6 +282,16 @@ class TrainConfig:
             self.bidirectional_epochs >= 0,
             "train.bidirectional_epochs",
             f"must be >= 0, got {self.bidirectional_epochs}",
+        )
+        _check(
+            0.0 <= self.bidirectional_share < 1.0,
+            "train.bidirectional_share",
+            f"must be in [0, 1), got {self.bidirectional_share}",
+        )
+        _check(
+            not (self.bidirectional_share and self.bidirectional_epochs),
+            "train.bidirectional_share",
+            "and train.bidirectional_epochs both say when bidirectional training ends: set one",
         )
         _check(self.clip_norm >= 0, "train.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(self.keep_last >= 0, "train.keep_last", f"must be >= 0, got {self.keep_last}")
@@ -377,9 +392,11 @@ class Config:
             f"needs tokenizer.type unigram (a {self.tokenizer.type} model has no n-best "
             "segmentations to sample from)",
         )
+        tc = self.train
+        bidirectional = "bidirectional_share" if tc.bidirectional_share else "bidirectional_epochs"
         _check(
-            not self.train.bidirectional_epochs or self.tokenizer.joint,
-            "train.bidirectional_epochs",
+            not getattr(tc, bidirectional) or self.tokenizer.joint,
+            f"train.{bidirectional}",
             "needs tokenizer.joint: true (training on reversed pairs needs one vocabulary for both "
             "languages)",
         )

@@ -707,10 +707,15 @@ class EpochBatches:
     def __init__(self, data: TrainingData, tc: TrainConfig, rank: int = 0, world: int = 1):
         self.data, self.tc, self.rank, self.world = data, tc, rank, world
         self._cached: tuple[int, TokenizedCorpus] | None = None  # (epoch, its corpus)
+        # The last epoch that trains both directions: train.bidirectional_epochs; under
+        # bidirectional_share every epoch, until the trainer sees the share reached and sets it.
+        self.bidirectional_until = tc.bidirectional_epochs or (
+            tc.max_epochs if tc.bidirectional_share else 0
+        )
 
     def corpus(self, epoch: int) -> TokenizedCorpus:
         """The training corpus of one epoch: segmented anew each epoch under subword sampling, and
-        followed by its pairs reversed in the first train.bidirectional_epochs."""
+        followed by its pairs reversed in the epochs of bidirectional training."""
         if self._cached is None or self._cached[0] != epoch:
             corpus = self.data.train
             if self.data.segmentations is not None:
@@ -722,7 +727,7 @@ class EpochBatches:
 
     def bidirectional(self, epoch: int) -> bool:
         """Whether this epoch trains on both directions (bidirectional training)."""
-        return epoch <= self.tc.bidirectional_epochs
+        return epoch <= self.bidirectional_until
 
     def epoch(self, epoch: int) -> list[np.ndarray]:
         """All ranks' batches of one epoch (indices into the training corpus), cut to a multiple of

@@ -361,6 +361,13 @@ def describe_run(
             tc.bidirectional_epochs,
             "s" if tc.bidirectional_epochs > 1 else "",
         )
+    if tc.bidirectional_share:
+        log.info(
+            "bidirectional training: epochs also train every pair reversed (target to source) "
+            "until %g%% of the %s is spent",
+            100 * tc.bidirectional_share,
+            f"{tc.max_minutes:g} minutes" if tc.max_minutes else f"{tc.max_steps} updates",
+        )
 
 
 def open_event_log(run_dir: Path, d: Dist) -> Any:

@@ -100,6 +100,9 @@ class TrainState:
     cooldown_start: int = 0
     cooldown_end: int = 0  # (both 0: no cooldown); see optim.cooldown_by_steps, _plan_cooldown
     warmup: int = 0  # the warm-up's updates once planned (0: optim.warmup_by_steps until then)
+    # under train.bidirectional_share, the last epoch trained both ways once the share is reached
+    # (0: not yet)
+    bidirectional_until: int = 0
 
     def summary(self, stopped: str, minutes: float, run_dir: Path, rank: int) -> dict[str, Any]:
         """What `train` returns: how far the run got, why it stopped, its best validation."""
@@ -198,6 +201,8 @@ class Trainer:
         self.signal_grace = 0.0  # seconds in which a repeated signal is the same request
         if resumed is not None:
             self._restore(resume_from, resumed)
+        if self.state.bidirectional_until:  # a resumed run whose share was reached
+            self.batches.bidirectional_until = self.state.bidirectional_until
 
     def _restore(self, path: Path, ckpt: dict[str, Any]) -> None:
         """Model, optimizer, schedule, scaler, loop position and every RNG, as they were when
@@ -281,17 +286,22 @@ class Trainer:
         the run before max_steps starts the cooldown over its last part, and after a minute of
         training plans the warm-up (train.warmup_share) from the updates the budget holds, then
         plans it again every log_every updates until it ends: a minute's rate on a shared machine
-        can be half the hour's."""
+        can be half the hour's. There, too, bidirectional training ends once its share of the
+        budget is spent."""
         tc, step, warmup = self.cfg.train, self.state.step, self.state.warmup
         now, budget = self.minutes(), tc.max_minutes or math.inf
         cooling_due = step < self.state.cooldown_start and now >= (1 - tc.cooldown) * budget
+        one_way_due = bool(tc.bidirectional_share) and not self.state.bidirectional_until
+        if one_way_due:  # a share of the time budget, or of max_steps without one
+            spent = now / tc.max_minutes if tc.max_minutes else step / tc.max_steps
+            one_way_due = spent >= tc.bidirectional_share
         warmup_due = (
             bool(tc.warmup_share and tc.max_minutes)
             and now - since[1] >= 1.0
             and (not warmup or step < warmup and step % tc.log_every == 0)
         )
         due = self.dist.world == 1 or step % tc.log_every == 0 or step % tc.valid_every == 0
-        out_of_time, interrupted, cool, warm = (
+        out_of_time, interrupted, cool, warm, one_way = (
             agree(
                 self.dist,
                 self.device,
@@ -299,9 +309,10 @@ class Trainer:
                 signals.caught is not None,
                 cooling_due,
                 warmup_due,
+                one_way_due,
             )
             if due
-            else (False, False, False, False)
+            else (False,) * 5
         )
         rate = (step - since[0]) / max(now - since[1], 1e-9)
         fewest = lambda n: agree_min(self.dist, self.device, n)  # noqa: E731
@@ -311,7 +322,23 @@ class Trainer:
             plan = plan_cooldown(tc, step, now, rate, fewest)
             self.state.cooldown_start, self.state.cooldown_end = plan
             bar.total = self.state.cooldown_end
+        if one_way:
+            self._end_bidirectional(now)
         return limits_reached(tc, self.state, out_of_time=out_of_time), interrupted
+
+    def _end_bidirectional(self, minutes: float) -> None:
+        """train.bidirectional_share is spent: the epoch under way is the last trained both ways
+        (the batches of an epoch are fixed when it starts, so a resume streams the same ones)."""
+        self.state.bidirectional_until = self.batches.bidirectional_until = self.state.epoch
+        if self.dist.main:
+            log.info(
+                "bidirectional training ends with epoch %d (update %d, %.1f min: "
+                "train.bidirectional_share=%g spent); later epochs train one way",
+                self.state.epoch,
+                self.state.step,
+                minutes,
+                self.cfg.train.bidirectional_share,
+            )
 
     def _validate_or_save(self, bar: tqdm, fired: list[Stop]) -> bool:
         """At validation steps and the last, validate and save, adding Stop.PATIENCE to `fired` when
