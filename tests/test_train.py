@@ -328,7 +328,6 @@ def test_warmup_is_planned_again_until_it_ends(copy_config, monkeypatch):
     assert trainer.state.warmup == 25
 
 
-@pytest.mark.slow
 def tokens_by_epoch(monkeypatch, trainer) -> tuple[dict[int, int], list[int]]:
     """Run trainer.train(); the target tokens trained in each epoch, and each update's epoch."""
     tokens: dict[int, int] = {}
@@ -374,11 +373,12 @@ def test_bidirectional_share_without_a_time_budget_is_a_share_of_max_steps(
     copy_config, monkeypatch
 ):
     trainer = Trainer(copy_config(max_steps=30, bidirectional_share=0.5, max_tokens=256))
-    tokens, epochs = tokens_by_epoch(monkeypatch, trainer)
+    _, epochs = tokens_by_epoch(monkeypatch, trainer)
     assert trainer.state.bidirectional_until == epochs[14]  # the epoch of update 15
     assert epochs[-1] > epochs[14]
 
 
+@pytest.mark.slow
 def test_tiny_copy_task_is_learned_exactly(copy_config):
     # No label smoothing: it keeps probability off the one right answer that this task has. The last
     # 30% of the updates anneal the lr to ~0 (train.cooldown): without it the run ended at lr 4e-3
