@@ -99,6 +99,7 @@ def ranked(results: dict[str, dict], pairs: list[tuple[int, float]]) -> list[dic
 
 
 def table(results: dict[str, dict], rows: list[dict]) -> str:
+    """Markdown: a row per pair, a BLEU column per checkpoint (numbered as listed above it)."""
     head = ["beam", "α", *(f"BLEU ({i})" for i in range(1, len(results) + 1))]
     head += ["mean BLEU", "mean tokenized BLEU"]
     body = [
