@@ -42,10 +42,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def pair_key(beam: int, alpha: float) -> str:
+    """How results.json names a (beam, alpha) pair: "5/1", "8/1.5"."""
+    return f"{beam}/{alpha:g}"
+
+
 def sweep_checkpoint(
     checkpoint: str, pairs: list[tuple[int, float]], args: argparse.Namespace
 ) -> dict:
-    """One checkpoint's scores for every (beam, alpha) pair, keyed "beam/alpha"."""
+    """One checkpoint's scores for every (beam, alpha) pair, keyed by pair_key."""
     from transformer_mt.data import read_lines, read_split
     from transformer_mt.inference import load_translator
     from transformer_mt.metrics import paper_bleu, score
@@ -65,7 +70,7 @@ def sweep_checkpoint(
         s = score(hyps, [references], names=("bleu",), lang=lang)
         s.update(paper_bleu(hyps, [references], lang))
         signature = s["bleu_signature"]
-        scores[f"{beam}/{alpha:g}"] = {
+        scores[pair_key(beam, alpha)] = {
             "bleu": s["bleu"],
             "tokenized_bleu": s["tokenized_bleu"],
             "bleu_detail": s["bleu_detail"],
@@ -84,8 +89,7 @@ def ranked(results: dict[str, dict], pairs: list[tuple[int, float]]) -> list[dic
     """The pairs with each checkpoint's BLEU and the means, best mean sacreBLEU first."""
     rows = []
     for beam, alpha in pairs:
-        key = f"{beam}/{alpha:g}"
-        each = [r["scores"][key] for r in results.values()]
+        each = [r["scores"][pair_key(beam, alpha)] for r in results.values()]
         rows.append(
             {
                 "beam": beam,

@@ -43,7 +43,7 @@ def test_each_pair_scores_as_tmt_evaluate_does_and_the_table_ranks_by_the_mean(t
     means = [r["mean_bleu"] for r in rows]
     assert means == sorted(means, reverse=True)
     for r in rows:
-        key = f"{r['beam']}/{r['alpha']:g}"
+        key = sweep_decode.pair_key(r["beam"], r["alpha"])
         each = [results["checkpoints"][c]["scores"][key]["bleu"] for c in ckpts]
         assert r["bleu"] == each and r["mean_bleu"] == pytest.approx(sum(each) / 2, abs=0.006)
     table = (out / "results.md").read_text()
