@@ -333,6 +333,7 @@ RECIPE_KEYS = [
     ("data", "subword_sampling"),
     ("model", "d_model"),
     ("model", "encoder_layers"),
+    ("model", "decoder_layers"),
     ("model", "d_ff"),
     ("model", "heads"),
     ("model", "dropout"),

@@ -259,3 +259,12 @@ def test_the_history_table_prints_every_score_with_two_decimals(tmp_path):
     row = history.read_text().splitlines()[-2]
     assert "| 39.80 | 40.30 | 64.03 |" in row
     assert "| 5781 | 58.4 |" in row  # counts and minutes are not scores: as they are
+
+
+def test_the_history_table_shows_both_stacks_depths():
+    # a run that moves a layer from the decoder to the encoder must read so in the table's
+    # recipe columns, not only in its `changes` cell
+    cfg = {"data": {}, "model": {"encoder_layers": 5, "decoder_layers": 3}, "tokenizer": {}}
+    cfg |= {"train": {}, "decode": {}}
+    settings = bench_quality.recipe_settings(cfg)
+    assert (settings["model.encoder_layers"], settings["model.decoder_layers"]) == (5, 3)
