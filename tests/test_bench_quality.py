@@ -264,7 +264,12 @@ def test_the_history_table_prints_every_score_with_two_decimals(tmp_path):
 def test_the_history_table_shows_both_stacks_depths():
     # a run that moves a layer from the decoder to the encoder must read so in the table's
     # recipe columns, not only in its `changes` cell
-    cfg = {"data": {}, "model": {"encoder_layers": 5, "decoder_layers": 3}, "tokenizer": {}}
-    cfg |= {"train": {}, "decode": {}}
+    cfg = {
+        "data": {},
+        "model": {"encoder_layers": 5, "decoder_layers": 3},
+        "tokenizer": {},
+        "train": {},
+        "decode": {},
+    }
     settings = bench_quality.recipe_settings(cfg)
     assert (settings["model.encoder_layers"], settings["model.decoder_layers"]) == (5, 3)
